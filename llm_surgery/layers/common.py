@@ -1,0 +1,68 @@
+"""Pieces every Mamba2-style mixer needs: a causal depthwise convolution that carries its window across
+calls, a gated RMSNorm, and padding-mask handling. Written once here so the three kinds agree exactly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over time.
+
+    x: [B, L, C]; weight: [C, W]; conv_state: [B, C, W-1] (the last W-1 inputs before x, zeros if None).
+    Returns (y [B, L, C], new_conv_state [B, C, W-1]). Continuing from the returned state gives the same
+    outputs as one call over the concatenated sequence, which is what cached generation relies on.
+    """
+    B, L, C = x.shape
+    W = weight.shape[-1]
+    xt = x.transpose(1, 2)  # [B, C, L]
+    if conv_state is None:
+        conv_state = xt.new_zeros(B, C, W - 1)
+    full = torch.cat([conv_state.to(xt.dtype), xt], dim=-1)  # [B, C, W-1+L]
+    y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), bias.to(xt.dtype) if bias is not None else None,
+                 groups=C)
+    return y.transpose(1, 2), full[:, :, -(W - 1):].contiguous() if W > 1 else full[:, :, :0]
+
+
+def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero the positions that are padding ([B, L] mask, 1 = token) so they cannot write into the state."""
+    if attention_mask is None:
+        return x
+    if attention_mask.dim() != 2 or attention_mask.shape != x.shape[:2]:
+        raise ValueError(f"attention_mask must be [batch, seq_len] = {tuple(x.shape[:2])}, "
+                         f"got {tuple(attention_mask.shape)}")
+    return x * attention_mask.to(x.dtype).unsqueeze(-1)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x * silu(z)) * weight, the output norm of Mamba2 blocks (gate before the norm),
+    with optional groups so each head (or group of heads) is normalised on its own."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, group_size: int | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.group_size = group_size or dim
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        cd = torch.promote_types(dtype, torch.float32)  # at least float32, float64 stays float64
+        x = x.to(cd)
+        if z is not None:
+            x = x * F.silu(z.to(cd))
+        shape = x.shape
+        x = x.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.reshape(shape) * self.weight.to(cd)).to(dtype)
+
+
+def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int, name: str) -> None:
+    """Raise a clear error for inputs of the wrong rank, width or dtype."""
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
+        raise ValueError(f"{name} expects hidden_states [batch, seq_len, {hidden_size}], "
+                         f"got {tuple(hidden_states.shape)}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"{name} expects floating-point hidden_states, got {hidden_states.dtype}")

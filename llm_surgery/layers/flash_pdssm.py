@@ -1,0 +1,191 @@
+"""The Flash PD-SSM sequence mixer: a Mamba2-style block around the hard-selected PD recurrence.
+
+    hidden -> in_proj -> [z | u];  u -> causal depthwise conv -> SiLU
+    u -> x_proj -> per head: selector logits (K), log-magnitude and phase of D_t (N each)
+    b_t = B_h u_t (complex),  P_t = P_dict[h, argmax selector],  x_t = P_t D_t x_{t-1} + b_t   (pd_select_scan)
+    y = Re(C_h x_t) + D_skip * u;  out = out_proj(GatedRMSNorm(y, z))
+
+Memory is O(B*L*H*N + H*K*N*N): per token only an int16 index vector and a diagonal are built (paper, sec. 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.pd_scan import pd_scan
+from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
+from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_hidden_states
+
+
+def _pow2_near(x: float) -> int:
+    return 2 ** max(0, round(math.log2(max(1.0, x))))
+
+
+def tau_schedule(step: int, total_steps: int, start: float = 1.0, end: float = 0.1) -> float:
+    """Geometric annealing of the straight-through temperature from `start` to `end` over `total_steps`."""
+    if total_steps <= 0:
+        return end
+    frac = min(1.0, max(0.0, step / total_steps))
+    return float(start * (end / start) ** frac)
+
+
+class FlashPDSSM(nn.Module):
+    """Flash PD-SSM mixer (see module docstring). Follows the Mixer contract of docs/design.md.
+
+    Defaults scale with the width as the paper suggests (sec. 3.2): about sqrt(D) heads and sqrt(D)
+    dictionary members, head state size = head width.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int | None = None,
+                 state_size: int | None = None, dict_size: int | None = None, expand: int = 1,
+                 conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
+                 dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
+                 layer_idx: int | None = None, b_gate: bool = False):
+        super().__init__()
+        if hidden_size <= 0:
+            raise ValueError(f"FlashPDSSM: hidden_size must be positive, got {hidden_size}")
+        d_inner = expand * hidden_size
+        if num_heads is None:
+            num_heads = _pow2_near(math.sqrt(hidden_size)) if head_dim is None else d_inner // head_dim
+        if num_heads <= 0 or d_inner % num_heads:
+            raise ValueError(f"FlashPDSSM: expand*hidden_size={d_inner} must be divisible by num_heads={num_heads}")
+        head_dim = d_inner // num_heads
+        state_size = state_size or head_dim
+        dict_size = dict_size or _pow2_near(math.sqrt(hidden_size))
+        if state_size > 1024:
+            raise ValueError(f"FlashPDSSM: state_size must be <= 1024 (int16 kernels), got {state_size}")
+        if dict_init not in self.DICT_INITS:
+            raise ValueError(f"FlashPDSSM: dict_init must be one of {self.DICT_INITS}, got {dict_init!r}")
+        self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
+        self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
+        self.complex, self.tau, self.layer_idx = complex, float(tau), layer_idx
+        self.b_gate = bool(b_gate)
+        H, P, N, K = num_heads, head_dim, state_size, dict_size
+
+        self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=False)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, conv_kernel, groups=d_inner, bias=True)
+        n_phase = N if complex else 0
+        # b_gate: one sigmoid gate per head and token scales b_t, so tokens that only permute the state can
+        # inject nothing (an always-on b_t makes the state a random walk that breaks length generalisation).
+        self.x_proj = nn.Linear(d_inner, H * (K + N + n_phase + int(self.b_gate)), bias=False)
+        # log|D_t| = -softplus(a_t + decay_bias): decays start in decay_range, like Mamba2's dt init.
+        lo, hi = decay_range
+        decay = torch.exp(torch.rand(H * N) * (math.log(hi) - math.log(lo)) + math.log(lo))
+        self.decay_bias = nn.Parameter(decay + torch.log(-torch.expm1(-decay)))  # inverse softplus
+        self.dictionary = nn.Parameter(self._init_dictionary(H, K, N, dict_init))
+        scale_b = 1.0 / math.sqrt(P)
+        self.B = nn.Parameter(torch.randn(H, N, P, 2 if complex else 1) * scale_b)
+        self.C = nn.Parameter(torch.randn(H, P, N, 2 if complex else 1) / math.sqrt(N))
+        self.D_skip = nn.Parameter(torch.ones(H, P))
+        # Learned initial state (PD-SSM starts automata from a one-hot state); padding steps keep it intact.
+        self.x_init = nn.Parameter(torch.zeros(H, N, 2 if complex else 1))
+        self.norm = GatedRMSNorm(d_inner, eps=norm_eps, group_size=head_dim)  # per head: one head per automaton
+        self.out_proj = nn.Linear(d_inner, hidden_size, bias=False)
+        with torch.no_grad():
+            self.x_proj.weight.mul_(0.5)
+
+    DICT_INITS = ("normal", "permutation", "identity")
+
+    @staticmethod
+    def _init_dictionary(H: int, K: int, N: int, how: str) -> torch.Tensor:
+        """normal: random maps (PD-SSM's init); permutation: random permutations with a margin; identity:
+        every member starts as the identity with a margin, so the layer begins as a diagonal SSM."""
+        M = torch.randn(H, K, N, N) / math.sqrt(N)
+        if how == "normal":
+            return M
+        if how == "permutation":
+            dest = torch.stack([torch.randperm(N) for _ in range(H * K)]).view(H, K, 1, N)
+        else:
+            dest = torch.arange(N).expand(H, K, 1, N)
+        return M.scatter_add_(-2, dest, torch.full((H, K, 1, N), 3.0 / math.sqrt(N)))
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    def transitions(self) -> torch.Tensor:
+        """The hard dictionary: [H, K, N] int16 destinations, computed once per forward."""
+        return column_argmax(self.dictionary)
+
+    def _ssm_inputs(self, u: torch.Tensor):
+        """u [B,L,d_inner] -> selector logits [B,H,L,K], D and b [B,H,L,N] (float32 / complex64)."""
+        Bsz, L, _ = u.shape
+        H, P, N, K = self.num_heads, self.head_dim, self.state_size, self.dict_size
+        cd = torch.promote_types(u.dtype, torch.float32)  # scan in float32 at least (float64 when asked)
+        # Selector and diagonal logits in float32 even under bf16 autocast: argmax near-ties flip on bf16 rounding.
+        with torch.autocast(u.device.type, enabled=False):
+            proj = F.linear(u.to(cd), self.x_proj.weight.to(cd))
+        proj = proj.view(Bsz, L, H, -1).transpose(1, 2)  # [B,H,L,K+N(+N)]
+        sel = proj[..., :K]
+        log_mag = -F.softplus(proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N))
+        uh = u.to(cd).view(Bsz, L, H, P)
+        Bw = self.B.to(cd)
+        b_parts = torch.einsum("blhp,hnpc->bhlnc", uh, Bw)
+        if self.complex:
+            D = torch.polar(torch.exp(log_mag), proj[..., K + N:])
+            b = torch.complex(b_parts[..., 0], b_parts[..., 1])
+        else:
+            D, b = torch.exp(log_mag), b_parts[..., 0]
+        if self.b_gate:
+            b = b * torch.sigmoid(proj[..., -1:])
+        return sel, D, b
+
+    def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Re(C_h x_t) + D_skip * u -> [B, L, d_inner] in the scan's real dtype."""
+        Bsz, H, L, N = x.shape
+        cd = x.real.dtype
+        Cw = self.C.to(cd)
+        if self.complex:
+            y = torch.einsum("bhln,hpn->blhp", x.real, Cw[..., 0]) - torch.einsum("bhln,hpn->blhp", x.imag, Cw[..., 1])
+        else:
+            y = torch.einsum("bhln,hpn->blhp", x, Cw[..., 0])
+        y = y + self.D_skip.to(cd) * u.to(cd).view(Bsz, L, H, self.head_dim)
+        return y.reshape(Bsz, L, self.d_inner)
+
+    def initial_state(self, batch_size: int) -> torch.Tensor:
+        """The learned state before the first token, [B, H, N] (complex for the complex variant)."""
+        x = self.x_init.float()
+        x = torch.complex(x[..., 0], x[..., 1]) if self.complex else x[..., 0]
+        return x.unsqueeze(0).expand(batch_size, -1, -1)
+
+    # ---- Mixer contract -----------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, state=None,
+                return_state: bool = False):
+        check_hidden_states(hidden_states, self.hidden_size, "FlashPDSSM")
+        Bsz, L, _ = hidden_states.shape
+        conv_state, x0 = state if state is not None else (None, None)
+        z, u = self.in_proj(hidden_states).chunk(2, dim=-1)
+        u = apply_padding_mask(u, attention_mask)
+        u, new_conv = causal_conv1d(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
+        u = apply_padding_mask(F.silu(u), attention_mask)
+        sel, D, b = self._ssm_inputs(u)
+        if x0 is None:
+            x0 = self.initial_state(Bsz).to(b.dtype)
+        elif x0.shape != (Bsz, self.num_heads, self.state_size):
+            raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
+                             f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
+        x0 = x0.to(b.dtype)
+        if attention_mask is not None:  # padding steps are the identity: D = 1, P = id (below), b = 0
+            keep = attention_mask.to(torch.bool)[:, None, :, None]
+            D = torch.where(keep, D, torch.ones_like(D))
+        if torch.is_grad_enabled() and (self.dictionary.requires_grad or sel.requires_grad):
+            x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau, mask=attention_mask)
+        else:  # inference: the same hard forward without the straight-through bookkeeping
+            x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0)
+        y = self._readout(x, u).to(hidden_states.dtype)
+        out = self.out_proj(self.norm(y, z))
+        if return_state:
+            return out, (new_conv, x[:, :, -1])
+        return out
+
+    def step(self, hidden_state: torch.Tensor, state=None):
+        """One token [B, D] -> (y [B, D], state): the recurrent form used in generation. Equal to forward on
+        a length-1 sequence from the same state (the scan of one step is b + scatter(P, D * x0))."""
+        y, state = self.forward(hidden_state.unsqueeze(1), state=state, return_state=True)
+        return y.squeeze(1), state
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"state_size={self.state_size}, dict_size={self.dict_size}, complex={self.complex}, tau={self.tau}, "
+                f"b_gate={self.b_gate}")

@@ -1,0 +1,274 @@
+"""CUDA kernels for `pd_scan`: a single-pass chunked scan with decoupled look-back (sources in `kernels/`).
+
+The extension is built on first use with `torch.utils.cpp_extension.load` into
+`~/.cache/llm_surgery/kernels/<hash of sources, torch and CUDA versions>` (override with the environment
+variable `LLM_SURGERY_KERNEL_CACHE`), so later uses only load it. Sources come from the installed package
+(`llm_surgery/_kernels/`) or, in an editable install, from the repository's `kernels/` folder.
+
+Calling forms (all tensors on one CUDA device, shapes `[..., L, N]`, leading dims flattened, N <= 1024):
+
+- `pd_scan_fwd_cuda(P, D, b, x0=None) -> x` and `pd_scan_bwd_cuda(P, D, x0, x, grad_x) -> (gD, gb, gx0)`:
+  D, b float32 / bfloat16 (real) or complex64; float16 is computed through float32. x has b's dtype;
+  gx0 is None when x0 is None.
+- `pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None) -> (x_re, x_im)` and
+  `pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im) -> (gD_re, gD_im, gb_re, gb_im, gx0)`:
+  complex D, b given as separate real/imaginary planes (float32 or bfloat16), as the layer produces them, so no
+  complex tensor is ever materialised; x0 is complex64 (or None).
+
+All arithmetic is float32 (complex as pairs of float32); P is read as int16 (other integer dtypes are converted).
+P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
+`validate=True` to get a ValueError instead (costs a device sync).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda", "pd_scan_fwd_cuda_split",
+           "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
+_SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
+_HEADERS = ("pd_scan.cuh",)
+_MAX_N = 1024
+_REAL, _SPLIT, _CPLX = 0, 1, 2
+
+_ext = None
+_state: dict = {}
+
+
+def _source_dir() -> Path:
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "_kernels", here.parents[3] / "kernels"):
+        if all((cand / f).is_file() for f in _SOURCES + _HEADERS):
+            return cand
+    raise FileNotFoundError("pd_scan CUDA sources not found (looked in llm_surgery/_kernels and the repo's kernels/)")
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    src = _source_dir()
+    h = hashlib.sha256()
+    for f in _SOURCES + _HEADERS:
+        h.update((src / f).read_bytes())
+    cap = torch.cuda.get_device_capability()
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{cap}".encode())
+    digest = h.hexdigest()[:16]
+    root = Path(os.environ.get("LLM_SURGERY_KERNEL_CACHE", Path.home() / ".cache" / "llm_surgery" / "kernels"))
+    build_dir = root / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{cap[0]}.{cap[1]}"
+    return load(name=f"llm_surgery_pd_scan_{digest}", sources=[str(src / f) for f in _SOURCES],
+                extra_include_paths=[str(src)], extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], build_directory=str(build_dir),
+                verbose=bool(os.environ.get("LLM_SURGERY_KERNEL_VERBOSE")))
+
+
+def _module():
+    global _ext
+    if _ext is None:
+        _ext = _build()
+    return _ext
+
+
+def available() -> bool:
+    """True when a CUDA device is present and the kernels build/load (cached; never raises)."""
+    if "ok" not in _state:
+        ok = False
+        try:
+            if torch.cuda.is_available():
+                _module()
+                ok = True
+        except Exception as e:  # a failed build must not break CPU/CUDA fallbacks
+            _state["error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"llm_surgery pd_scan CUDA kernels unavailable, using the torch path: {_state['error']}")
+        _state["ok"] = ok
+    return _state["ok"]
+
+
+def load_error() -> str | None:
+    """Why `available()` returned False (None if it did not, or was not asked)."""
+    return _state.get("error")
+
+
+# ---------------------------------------------------------------- argument handling
+def _check_common(P, planes, x0, names):
+    for name, t in zip(("P",) + names, (P,) + planes):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"pd_scan CUDA: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cuda:
+            raise ValueError(f"pd_scan CUDA: {name} must be a CUDA tensor, got device {t.device}")
+    if P.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"pd_scan CUDA: P must be int16, int32 or int64, got {P.dtype}")
+    if P.dim() < 2:
+        raise ValueError(f"pd_scan CUDA: P must be [..., L, N], got shape {tuple(P.shape)}")
+    for name, t in zip(names, planes):
+        if t.shape != P.shape:
+            raise ValueError(f"pd_scan CUDA: {name} must have P's shape {tuple(P.shape)}, got {tuple(t.shape)}")
+        if t.device != P.device:
+            raise ValueError(f"pd_scan CUDA: {name} is on {t.device}, P on {P.device}")
+    dt = planes[0].dtype
+    for name, t in zip(names, planes):
+        if t.dtype != dt:
+            raise TypeError(f"pd_scan CUDA: {names[0]} and {name} must share a dtype, got {dt} and {t.dtype}")
+    L, N = P.shape[-2:]
+    if N > _MAX_N:
+        raise ValueError(f"pd_scan CUDA: state size N={N} exceeds the kernel limit {_MAX_N}")
+    S = math.prod(P.shape[:-2])
+    if x0 is not None:
+        if not isinstance(x0, torch.Tensor):
+            raise TypeError(f"pd_scan CUDA: x0 must be a torch.Tensor or None, got {type(x0).__name__}")
+        if x0.shape != P.shape[:-2] + (N,):
+            raise ValueError(f"pd_scan CUDA: x0 must have shape {tuple(P.shape[:-2] + (N,))}, got {tuple(x0.shape)}")
+        if x0.device != P.device:
+            raise ValueError(f"pd_scan CUDA: x0 is on {x0.device}, P on {P.device}")
+    return S, L, N
+
+
+def _idx(P, N, validate):
+    if validate and P.numel():
+        lo, hi = int(P.min()), int(P.max())
+        if lo < 0 or hi >= N:
+            raise ValueError(f"pd_scan CUDA: P values must lie in [0, N={N}), got range [{lo}, {hi}]")
+    return P.to(torch.int16).contiguous() if P.dtype != torch.int16 else P.contiguous()
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def _default_chunk(ext, kind, bf16, bwd, S, L, N, device):
+    """Largest chunk (<= 32 steps) that fits 64 KB of shared memory and still gives >= 4 blocks per SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    T = 32
+    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd) > 64 * 1024 or S * -(-L // T) < 4 * sms):
+        T //= 2
+    while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd) > 200 * 1024:
+        T //= 2
+    return T
+
+
+def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk):
+    ext = _module()
+    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, device)
+    if T < 1:
+        raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
+    C = -(-L // T)
+    comps = 1 if kind == _REAL else 2
+    counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
+    agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
+    agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
+    p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
+                      agg[1].data_ptr(), agg[2].data_ptr()]
+    with torch.cuda.device(device):
+        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C], torch.cuda.current_stream(device).cuda_stream)
+    return counter
+
+
+def _kind_of(dtype):
+    if dtype == torch.complex64:
+        return _CPLX, False
+    if dtype in (torch.float32, torch.bfloat16):
+        return _REAL, dtype == torch.bfloat16
+    raise TypeError(f"pd_scan CUDA: D and b must be float32, bfloat16, float16 or complex64, got {dtype}")
+
+
+def _x0_fp32(x0, S, N, cplx):
+    if x0 is None:
+        return None
+    return x0.reshape(S, N).to(torch.complex64 if cplx else torch.float32).contiguous()
+
+
+def _planes(t):
+    """Pointers of the re/im planes of one array (im = 0 for real and interleaved complex)."""
+    return [t.data_ptr(), 0]
+
+
+# ---------------------------------------------------------------- public entry points
+def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None):
+    """x_t[n] = b_t[n] + sum_{m: P_t[m]=n} D_t[m] x_{t-1}[m] on the GPU; x in b's dtype."""
+    S, L, N = _check_common(P, (D, b), x0, ("D", "b"))
+    if b.dtype == torch.float16:
+        x = pd_scan_fwd_cuda(P, D.float(), b.float(), None if x0 is None else x0.float(), chunk=chunk,
+                             validate=validate)
+        return x.half()
+    kind, bf16 = _kind_of(b.dtype)
+    Pc = _idx(P, N, validate)
+    Dc, bc = D.contiguous(), b.contiguous()
+    x = torch.empty_like(bc) if out is None else out
+    if L == 0 or S == 0:
+        return x
+    x0c = _x0_fp32(x0, S, N, kind == _CPLX)
+    ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(bc) + [0, 0] + _planes(x) + [0, 0]
+    _run(kind, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk)
+    return x
+
+
+def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=None):
+    """(grad_D, grad_b, grad_x0) of pd_scan given its output x and grad_x (gather recurrence backwards)."""
+    S, L, N = _check_common(P, (D, x, grad_x), x0, ("D", "x", "grad_x"))
+    if D.dtype == torch.float16:
+        gD, gb, gx0 = pd_scan_bwd_cuda(P, D.float(), None if x0 is None else x0.float(), x.float(),
+                                       grad_x.float(), chunk=chunk, validate=validate)
+        return gD.half(), gb.half(), None if gx0 is None else gx0.to(x0.dtype)
+    kind, bf16 = _kind_of(D.dtype)
+    Pc = _idx(P, N, validate)
+    Dc, xc, gc = D.contiguous(), x.contiguous(), grad_x.contiguous()
+    if out is None:
+        gD, gb = torch.empty_like(Dc), torch.empty_like(xc)
+    else:
+        gD, gb = out
+    x0c = _x0_fp32(x0, S, N, kind == _CPLX)
+    gx0 = None if x0 is None else torch.empty_like(x0c)
+    if L == 0 or S == 0:
+        return gD, gb, None if x0 is None else torch.zeros_like(x0)
+    ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(gc) + _planes(xc) + _planes(gb) + _planes(gD)
+    _run(kind, bf16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
+    return gD, gb, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)
+
+
+def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, validate=False, out=None):
+    """Complex pd_scan with D, b as real/imaginary planes (float32 or bfloat16); returns (x_re, x_im)."""
+    S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"))
+    if D_re.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"pd_scan CUDA split form: planes must be float32 or bfloat16, got {D_re.dtype}")
+    Pc = _idx(P, N, validate)
+    Dr, Di, br, bi = (t.contiguous() for t in (D_re, D_im, b_re, b_im))
+    xr, xi = (torch.empty_like(br), torch.empty_like(bi)) if out is None else out
+    if L == 0 or S == 0:
+        return xr, xi
+    x0c = _x0_fp32(x0, S, N, True)
+    ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), br.data_ptr(), bi.data_ptr(), 0, 0,
+            xr.data_ptr(), xi.data_ptr(), 0, 0]
+    _run(_SPLIT, D_re.dtype == torch.bfloat16, False, S, L, N, ptrs, x0c, None, P.device, chunk)
+    return xr, xi
+
+
+def pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im, *, chunk=None, validate=False, out=None):
+    """Backward of the split form: (gD_re, gD_im, gb_re, gb_im, gx0); gx0 complex64 (None without x0)."""
+    names = ("D_re", "D_im", "x_re", "x_im", "g_re", "g_im")
+    S, L, N = _check_common(P, (D_re, D_im, x_re, x_im, g_re, g_im), x0, names)
+    if D_re.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"pd_scan CUDA split form: planes must be float32 or bfloat16, got {D_re.dtype}")
+    Pc = _idx(P, N, validate)
+    Dr, Di, xr, xi, gr, gi = (t.contiguous() for t in (D_re, D_im, x_re, x_im, g_re, g_im))
+    if out is None:
+        gDr, gDi, gbr, gbi = (torch.empty_like(t) for t in (Dr, Di, xr, xi))
+    else:
+        gDr, gDi, gbr, gbi = out
+    x0c = _x0_fp32(x0, S, N, True)
+    gx0 = None if x0 is None else torch.empty_like(x0c)
+    if L == 0 or S == 0:
+        return gDr, gDi, gbr, gbi, None if x0 is None else torch.zeros_like(x0)
+    ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), gr.data_ptr(), gi.data_ptr(), xr.data_ptr(),
+            xi.data_ptr(), gbr.data_ptr(), gbi.data_ptr(), gDr.data_ptr(), gDi.data_ptr()]
+    _run(_SPLIT, D_re.dtype == torch.bfloat16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
+    return gDr, gDi, gbr, gbi, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)

@@ -1,0 +1,103 @@
+"""pd_scan against the plain loop and the dense definition: values, gradients, errors."""
+
+import pytest
+import torch
+
+from llm_surgery.ops.pd_scan import pd_scan, pd_scan_dense, pd_scan_naive
+
+DTYPES = [torch.float64, torch.complex128]
+
+
+def _inputs(shape, dtype, gen, collisions=True):
+    *lead, L, N = shape
+    if collisions:  # random maps: many entries flow into one, some into none
+        P = torch.randint(0, N, shape, generator=gen)
+    else:
+        P = torch.stack([torch.randperm(N, generator=gen) for _ in range(torch.Size(shape[:-1]).numel())]).view(shape)
+    D = torch.randn(shape, dtype=dtype, generator=gen) * 0.8
+    b = torch.randn(shape, dtype=dtype, generator=gen)
+    x0 = torch.randn(*lead, N, dtype=dtype, generator=gen)
+    return P, D, b, x0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [1, 2, 5, 63, 64, 65, 200, 513])
+def test_matches_loop(dtype, L):
+    gen = torch.Generator().manual_seed(L)
+    P, D, b, x0 = _inputs((2, 3, L, 7), dtype, gen)
+    ref = pd_scan_naive(P, D, b, x0)
+    for chunk in (None, 1, 4, 64):
+        assert torch.allclose(pd_scan(P, D, b, x0, chunk_size=chunk), ref, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(pd_scan(P, D, b), pd_scan_naive(P, D, b), rtol=1e-10, atol=1e-10)
+
+
+def test_loop_is_the_column_one_hot_definition():
+    gen = torch.Generator().manual_seed(0)
+    P, D, b, x0 = _inputs((4, 9, 5), torch.complex128, gen)
+    assert torch.allclose(pd_scan_naive(P, D, b, x0), pd_scan_dense(P, D, b, x0), atol=1e-12)
+
+
+def test_collisions_are_summed_not_gathered():
+    # every entry flows into entry 0: x_1[0] = b[0] + sum_m D[m] x0[m]
+    P = torch.zeros(1, 4, dtype=torch.int16)
+    D = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    b = torch.zeros(1, 4, dtype=torch.float64)
+    x0 = torch.ones(4, dtype=torch.float64)
+    x = pd_scan(P, D, b, x0)
+    assert x.tolist() == [[10.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [1, 3, 70, 257])
+def test_gradients_match_autograd_of_loop(dtype, L):
+    gen = torch.Generator().manual_seed(100 + L)
+    P, D, b, x0 = _inputs((2, L, 6), dtype, gen)
+    g = torch.randn(2, L, 6, dtype=dtype, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (D, b, x0)]
+    ref = torch.autograd.grad((pd_scan_naive(P, *leaves[:2], leaves[2]) * g.conj()).real.sum(), leaves)
+    leaves = [t.clone().requires_grad_() for t in (D, b, x0)]
+    got = torch.autograd.grad((pd_scan(P, *leaves[:2], leaves[2], chunk_size=16) * g.conj()).real.sum(), leaves)
+    for r, o in zip(ref, got):
+        assert torch.allclose(r, o, rtol=1e-9, atol=1e-10)
+
+
+def test_gradcheck_small():
+    gen = torch.Generator().manual_seed(3)
+    P, D, b, x0 = _inputs((2, 11, 4), torch.complex128, gen)
+    assert torch.autograd.gradcheck(lambda d, bb, x: pd_scan(P, d, bb, x, chunk_size=4),
+                                    (D.requires_grad_(), b.requires_grad_(), x0.requires_grad_()))
+
+
+@pytest.mark.parametrize("pdtype", [torch.int16, torch.int32, torch.int64])
+def test_index_dtypes_and_half_inputs(pdtype):
+    gen = torch.Generator().manual_seed(5)
+    P, D, b, x0 = _inputs((3, 40, 8), torch.float32, gen)
+    ref = pd_scan_naive(P, D.double(), b.double(), x0.double())
+    out = pd_scan(P.to(pdtype), D.bfloat16(), b.bfloat16(), x0.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_permutations_preserve_norm():
+    gen = torch.Generator().manual_seed(9)
+    P, _, _, x0 = _inputs((2, 300, 16), torch.complex128, gen, collisions=False)
+    phase = torch.polar(torch.ones(2, 300, 16, dtype=torch.float64), torch.rand(2, 300, 16, generator=gen, dtype=torch.float64) * 6.3)
+    x = pd_scan(P, phase, torch.zeros_like(phase), x0)
+    assert torch.allclose(x[:, -1].abs().pow(2).sum(-1), x0.abs().pow(2).sum(-1), rtol=1e-10)
+
+
+def test_errors_name_the_problem():
+    P = torch.zeros(2, 5, 4, dtype=torch.long)
+    D = torch.ones(2, 5, 4)
+    with pytest.raises(TypeError, match="integer"):
+        pd_scan(P.float(), D, D)
+    with pytest.raises(TypeError, match="same dtype"):
+        pd_scan(P, D, D.double())
+    with pytest.raises(ValueError, match="share one shape"):
+        pd_scan(P[:, :4], D, D)
+    with pytest.raises(ValueError, match="x0 must have shape"):
+        pd_scan(P, D, D, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"\[0, N=4\)"):
+        pd_scan(P + 4, D, D)
+    with pytest.raises(TypeError, match="real floating or complex"):
+        pd_scan(P, P, P)

@@ -1,0 +1,72 @@
+"""The straight-through selection equals autograd through the dense surrogate P_hard + P_soft - P_soft.detach()."""
+
+import pytest
+import torch
+
+from llm_surgery.ops.pd_select import column_argmax, gather_transitions, pd_select_scan, pd_select_scan_dense
+from llm_surgery.ops.pd_scan import pd_scan_naive
+
+
+def _case(dtype, seed, B=2, H=3, L=9, N=5, K=4):
+    g = torch.Generator().manual_seed(seed)
+    M = torch.randn(H, K, N, N, dtype=torch.float64, generator=g)
+    sel = torch.randn(B, H, L, K, dtype=torch.float64, generator=g)
+    D = torch.randn(B, H, L, N, dtype=dtype, generator=g) * 0.8
+    b = torch.randn(B, H, L, N, dtype=dtype, generator=g)
+    x0 = torch.randn(B, H, N, dtype=dtype, generator=g)
+    up = torch.randn(B, H, L, N, dtype=dtype, generator=g)
+    return [M, sel, D, b, x0], up
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+@pytest.mark.parametrize("tau", [1.0, 0.25])
+def test_ste_gradients_equal_dense_surrogate(dtype, tau):
+    inputs, up = _case(dtype, seed=int(tau * 8))
+    ref_in = [t.clone().requires_grad_() for t in inputs]
+    got_in = [t.clone().requires_grad_() for t in inputs]
+    ref = pd_select_scan_dense(*ref_in, tau=tau)
+    got = pd_select_scan(*got_in, tau=tau)
+    assert torch.allclose(ref, got, atol=1e-12)
+    g_ref = torch.autograd.grad((ref * up.conj()).real.sum(), ref_in)
+    g_got = torch.autograd.grad((got * up.conj()).real.sum(), got_in)
+    for name, r, o in zip(["M", "sel", "D", "b", "x0"], g_ref, g_got):
+        assert r.abs().max() > 0, name
+        assert torch.allclose(r, o, rtol=1e-9, atol=1e-11), name
+
+
+def test_forward_is_hard_selection():
+    inputs, _ = _case(torch.float64, seed=1)
+    M, sel, D, b, x0 = inputs
+    P_dict = column_argmax(M)
+    assert P_dict.dtype == torch.int16 and P_dict.shape == (3, 4, 5)
+    P = gather_transitions(P_dict, sel.argmax(-1))
+    for h in range(3):
+        for k in range(4):
+            assert torch.equal(P_dict[h, k].long(), M[h, k].argmax(0))
+    assert torch.allclose(pd_select_scan(M, sel, D, b, x0), pd_scan_naive(P, D, b, x0), atol=1e-12)
+
+
+def test_padding_steps_are_identity_and_get_no_ste_signal():
+    inputs, up = _case(torch.float64, seed=2)
+    M, sel, D, b, x0 = inputs
+    mask = torch.ones(2, 9)
+    mask[1, :4] = 0
+    Dm, bm = D.clone(), b.clone()
+    Dm[1, :, :4] = 1.0
+    bm[1, :, :4] = 0.0
+    x = pd_select_scan(M, sel, Dm, bm, x0, mask=mask)
+    assert torch.allclose(x[1, :, 3], x0[1])  # four identity steps leave the initial state as it was
+    sel_g = sel.clone().requires_grad_()
+    (pd_select_scan(M, sel_g, Dm, bm, x0, mask=mask) * up).sum().backward()
+    assert sel_g.grad[1, :, :4].abs().max() == 0 and sel_g.grad[1, :, 4:].abs().max() > 0
+
+
+def test_shape_errors():
+    inputs, _ = _case(torch.float64, seed=3)
+    M, sel, D, b, x0 = inputs
+    with pytest.raises(ValueError, match=r"\[H, K, N, N\]"):
+        pd_select_scan(M[..., :4], sel, D, b, x0)
+    with pytest.raises(ValueError, match=r"\[B, H, L, K\]"):
+        pd_select_scan(M, sel[..., :3], D, b, x0)
+    with pytest.raises(ValueError, match="tau"):
+        pd_select_scan(M, sel, D, b, x0, tau=0.0)
