@@ -1,0 +1,82 @@
+"""The mixer registry: kinds, building with defaults and overrides, parameter-matched defaults."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from llm_surgery.layers.deltanet import DeltaNetMixer
+from llm_surgery.layers.mamba2 import Mamba2Mixer
+from llm_surgery.layers.registry import (MIXER_KINDS, build_mixer, count_params, default_options,
+                                         param_table, target_param_count)
+
+WIDTHS = (768, 1024, 1536, 2048, 4096, 4480, 5120)
+HAS_PDSSM = importlib.util.find_spec("llm_surgery.layers.flash_pdssm") is not None
+
+
+def test_kinds():
+    assert MIXER_KINDS == ("pdssm", "mamba2", "deltanet")
+
+
+def test_unknown_kind_names_the_allowed_kinds():
+    for call in (lambda: build_mixer("mamba3", 64), lambda: default_options("gla", 64),
+                 lambda: count_params("lstm", 64)):
+        with pytest.raises(ValueError, match="pdssm, mamba2, deltanet"):
+            call()
+
+
+@pytest.mark.parametrize("bad", [0, -8, 64.0, True, "64"])
+def test_bad_width(bad):
+    with pytest.raises(ValueError, match="hidden_size"):
+        build_mixer("mamba2", bad)
+
+
+def test_build_uses_defaults_and_overrides():
+    m = build_mixer("mamba2", 256)
+    assert isinstance(m, Mamba2Mixer) and m.num_heads == default_options("mamba2", 256)["num_heads"]
+    d = build_mixer("deltanet", 256, num_heads=2, head_dim=16)
+    assert isinstance(d, DeltaNetMixer) and (d.num_heads, d.head_k_dim) == (2, 16)
+    x = torch.randn(1, 5, 256)
+    for mixer in (m, d):
+        assert isinstance(mixer.out_proj, torch.nn.Linear) and mixer(x).shape == x.shape
+    with pytest.raises(TypeError):
+        build_mixer("deltanet", 256, no_such_option=1)
+
+
+def test_default_options_are_copies():
+    opts = default_options("mamba2", 1024)
+    opts["num_heads"] = 1
+    assert default_options("mamba2", 1024)["num_heads"] != 1
+
+
+def test_count_params_matches_a_real_build():
+    for kind in ("mamba2", "deltanet"):
+        real = sum(p.numel() for p in build_mixer(kind, 384).parameters())
+        assert count_params(kind, 384, **default_options(kind, 384)) == real
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_parameter_counts_are_matched(width):
+    target = target_param_count(width)
+    if HAS_PDSSM:
+        assert target == count_params("pdssm", width)
+    else:
+        assert target == 6 * width ** 2
+    for kind in ("mamba2", "deltanet"):
+        n = count_params(kind, width, **default_options(kind, width))
+        assert abs(n - target) / target < 0.10, (kind, width, n, target)
+
+
+def test_param_table_lists_every_width_and_kind():
+    table = param_table((768, 2048))
+    lines = table.splitlines()
+    assert lines[0].startswith("| width | pdssm | mamba2 | deltanet")
+    assert len(lines) == 4 and lines[2].startswith("| 768 |") and lines[3].startswith("| 2048 |")
+    assert "num_heads=" in lines[2]
+
+
+@pytest.mark.skipif(not HAS_PDSSM, reason="llm_surgery/layers/flash_pdssm.py is not written yet")
+def test_build_pdssm():
+    m = build_mixer("pdssm", 256)
+    assert type(m).__name__ == "FlashPDSSM" and hasattr(m, "out_proj")
+
