@@ -57,7 +57,7 @@ def _use_cuda_kernels(t: torch.Tensor) -> bool:
         from . import cuda
     except ImportError:
         return False
-    return cuda.available()
+    return cuda.usable(t)  # CUDA tensor, kernel dtype (not float64), N <= 1024, extension built
 
 
 class _PDScan(torch.autograd.Function):

@@ -16,6 +16,8 @@ Calling forms (all tensors on one CUDA device, shapes `[..., L, N]`, leading dim
   complex tensor is ever materialised; x0 is complex64 (or None).
 
 All arithmetic is float32 (complex as pairs of float32); P is read as int16 (other integer dtypes are converted).
+float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
+the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs.
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
 """
@@ -30,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda", "pd_scan_fwd_cuda_split",
-           "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
+__all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
+           "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
@@ -94,6 +96,16 @@ def available() -> bool:
     return _state["ok"]
 
 
+def supports(dtype: torch.dtype) -> bool:
+    """Whether pd_scan_fwd_cuda / pd_scan_bwd_cuda take D, b of this dtype (float64/complex128 do not)."""
+    return dtype in SUPPORTED_DTYPES
+
+
+def usable(b: torch.Tensor) -> bool:
+    """Whether the kernels can run pd_scan for this b ([..., L, N]): CUDA tensor, kernel dtype, N <= 1024, built."""
+    return b.is_cuda and supports(b.dtype) and b.dim() >= 2 and b.shape[-1] <= _MAX_N and available()
+
+
 def load_error() -> str | None:
     """Why `available()` returned False (None if it did not, or was not asked)."""
     return _state.get("error")
@@ -146,9 +158,10 @@ def _ptr(t):
 
 
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, device):
-    """Largest chunk (<= 32 steps) that fits 64 KB of shared memory and still gives >= 4 blocks per SM."""
+    """Largest chunk (<= 16 steps, the best measured on H200 at N=128) that fits 64 KB of shared memory and
+    still gives >= 4 blocks per SM."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    T = 32
+    T = 16
     while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd) > 64 * 1024 or S * -(-L // T) < 4 * sms):
         T //= 2
     while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd) > 200 * 1024:
@@ -166,8 +179,12 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk):
     counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
+    prof = None
+    if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
+        prof = torch.zeros(S * C, 8, dtype=torch.int64, device=device)
+        _state["last_profile"] = (prof, S, C, T)
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
-                      agg[1].data_ptr(), agg[2].data_ptr()]
+                      agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof)]
     with torch.cuda.device(device):
         ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C], torch.cuda.current_stream(device).cuda_stream)
     return counter

@@ -75,17 +75,21 @@ def softmax_jacobian_apply(logits: torch.Tensor, grad: torch.Tensor, tau: float,
     return (s * (g - (s * g).sum(dim, keepdim=True)) / tau).to(logits.dtype)
 
 
+def _fast_ste_grads():
+    """The Triton kernels when they can run (CUDA + triton importable), else None."""
+    try:
+        from .triton_ste import ste_grads_triton
+    except ImportError:
+        return None
+    return ste_grads_triton
+
+
 def _ste_grads(M, sel, P_dict, kstar, lam, dx, tau):
-    if lam.is_cuda:
-        try:
-            from . import cuda as _cuda
-            if _cuda.available():
-                G, r = _cuda.ste_grads_cuda(P_dict, kstar, lam, dx, M.shape[1])
-                return (softmax_jacobian_apply(M, G, tau, dim=-2), softmax_jacobian_apply(sel, r, tau, dim=-1))
-        except ImportError:
-            pass
-    G = dictionary_grad(kstar, lam, dx, M.shape[1])
-    r = selector_grad(P_dict, lam, dx)
+    fast = _fast_ste_grads() if lam.is_cuda else None
+    if fast is not None:
+        G, r = fast(P_dict, kstar, lam, dx, M.shape[1])
+    else:
+        G, r = dictionary_grad(kstar, lam, dx, M.shape[1]), selector_grad(P_dict, lam, dx)
     return softmax_jacobian_apply(M, G, tau, dim=-2), softmax_jacobian_apply(sel, r, tau, dim=-1)
 
 

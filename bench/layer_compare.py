@@ -1,0 +1,87 @@
+"""One mixer layer, forward + backward, side by side: Flash PD-SSM vs Mamba2 (mamba-ssm kernels) vs DeltaNet
+(fla kernels), parameter-matched at one model width (registry defaults), bf16, on one GPU.
+
+    PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 16 --lengths 1024 2048 4096 5120 8192
+
+Prints time per fwd+bwd (median of CUDA-event timings after warm-up) and peak memory above the resting
+weights+input, as a markdown table, plus the device, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+import torch
+
+
+def measure(layer, x, iters: int, warmup: int):
+    grad = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        layer(x).backward(grad)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2], peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 5120, 8192])
+    ap.add_argument("--kinds", nargs="+", default=["pdssm", "mamba2", "deltanet"])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    from llm_surgery.layers.registry import build_mixer
+
+    print(f"# layer fwd+bwd, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, python {platform.python_version()}, {datetime.date.today()}")
+    layers = {}
+    for kind in args.kinds:
+        torch.manual_seed(0)
+        try:
+            layers[kind] = build_mixer(kind, args.width).cuda().to(torch.bfloat16)
+        except Exception as e:  # report, keep measuring the others
+            print(f"{kind}: could not build ({type(e).__name__}: {e})")
+    print("| kind | params |\n|---|---|")
+    for kind, layer in layers.items():
+        print(f"| {kind} | {sum(p.numel() for p in layer.parameters()) / 1e6:.2f} M |")
+    print(f"\n| L | batch | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
+    print("|---|---|" + "---|---|" * len(layers))
+    for L in args.lengths:
+        row = [str(L), str(args.batch)]
+        for kind, layer in layers.items():
+            x = torch.randn(args.batch, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            try:
+                ms, peak = measure(layer, x, args.iters, args.warmup)
+                row += [f"{ms:.2f}", f"{peak / 2**30:.2f}"]
+            except Exception as e:
+                row += [f"error: {type(e).__name__}", "-"]
+                print(f"{kind} L={L}: {type(e).__name__}: {str(e)[:300]}")
+            del x
+            torch.cuda.empty_cache()
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

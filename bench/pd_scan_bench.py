@@ -1,0 +1,455 @@
+"""Build, check and time the pd_scan CUDA kernels in one go (one device call).
+
+    PYTHONPATH=. python bench/pd_scan_bench.py [--quick] [--out DIR]
+
+Sections: environment; build time; correctness against a float64 loop (fresh random inputs, poisoned outputs,
+L in {1,127,128,129,4096,16384}, N in {16,64,128,256}, collision-heavy P, small chunks to stress the look-back);
+D2D copy bandwidth; forward/backward times and achieved must-move bandwidth at B=32, N=128; chunk sweep;
+per-block clock64 anatomy of the forward; PyTorch associative-scan baseline. Prints tables and writes them (plus
+a JSON) under --out (default $OUT). Results: docs/bench/kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from llm_surgery.ops.pd_scan import cuda as K
+
+LOG = []
+
+
+def say(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+# ---------------------------------------------------------------- float64 references
+def ref_fwd(P, D, b, x0):
+    P = P.long()
+    x = torch.zeros_like(b[:, 0]) if x0 is None else x0.clone()
+    out = torch.empty_like(b)
+    for t in range(b.shape[1]):
+        x = b[:, t] + torch.zeros_like(x).scatter_add_(-1, P[:, t], D[:, t] * x)
+        out[:, t] = x
+    return out
+
+
+def ref_bwd(P, D, x0, x, g):
+    P = P.long()
+    S, L, N = x.shape
+    gD, gb = torch.empty_like(D), torch.empty_like(x)
+    carry = torch.zeros_like(g[:, 0])
+    for t in range(L - 1, -1, -1):
+        lam = g[:, t] + carry
+        gb[:, t] = lam
+        a = lam.gather(-1, P[:, t])
+        xp = x[:, t - 1] if t > 0 else (torch.zeros_like(lam) if x0 is None else x0)
+        gD[:, t] = xp.conj() * a
+        carry = D[:, t].conj() * a
+    return gD, gb, carry
+
+
+def rel(a, b):
+    a, b = a.to(torch.complex128 if a.is_complex() or b.is_complex() else torch.float64), b
+    b = b.to(a.dtype)
+    if not torch.isfinite(torch.view_as_real(a) if a.is_complex() else a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(S, L, N, cplx, dev, pmode, gen):
+    if pmode == "random":
+        P = torch.randint(0, N, (S, L, N), device=dev, generator=gen)
+    elif pmode == "perm":
+        P = torch.argsort(torch.rand(S, L, N, device=dev, generator=gen), dim=-1)
+    elif pmode == "collide":   # nearly everything flows into a few entries
+        P = torch.randint(0, 2, (S, L, N), device=dev, generator=gen)
+    else:                      # all into one entry
+        P = torch.zeros(S, L, N, dtype=torch.long, device=dev)
+    mag = 0.3 + 0.65 * torch.rand(S, L, N, device=dev, generator=gen, dtype=torch.float64)
+    if pmode in ("collide", "zero"):
+        mag = mag / N
+    if cplx:
+        ph = 2 * math.pi * torch.rand(S, L, N, device=dev, generator=gen, dtype=torch.float64)
+        D = torch.polar(mag, ph)
+        b = torch.complex(torch.randn(S, L, N, device=dev, generator=gen, dtype=torch.float64),
+                          torch.randn(S, L, N, device=dev, generator=gen, dtype=torch.float64))
+        x0 = torch.complex(torch.randn(S, N, device=dev, generator=gen, dtype=torch.float64),
+                           torch.randn(S, N, device=dev, generator=gen, dtype=torch.float64))
+    else:
+        sign = torch.where(torch.rand(S, L, N, device=dev, generator=gen) < 0.5, -1.0, 1.0).double()
+        D = mag * sign
+        b = torch.randn(S, L, N, device=dev, generator=gen, dtype=torch.float64)
+        x0 = torch.randn(S, N, device=dev, generator=gen, dtype=torch.float64)
+    return P.to(torch.int16), D, b, x0
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def run_kind(kind, P, D, b, x0, g, chunk):
+    """Run fwd+bwd through one calling form on poisoned outputs; return float64/complex128 results and the
+    inputs as the kernel saw them (rounded to the kind's dtype), for the reference."""
+    if kind in ("f32", "bf16"):
+        dt = torch.float32 if kind == "f32" else torch.bfloat16
+        Dk, bk, gk = D.to(dt), b.to(dt), g.to(dt)
+        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0, chunk=chunk, out=nan_like(bk))
+        gD, gb, gx0 = K.pd_scan_bwd_cuda(P, Dk, x0, x, gk, chunk=chunk, out=(nan_like(Dk), nan_like(bk)))
+        seen = (Dk.double(), bk.double(), x.double(), gk.double())
+        return (x.double(), gD.double(), gb.double(), gx0.double()), seen
+    if kind == "c64":
+        Dk, bk, gk = D.to(torch.complex64), b.to(torch.complex64), g.to(torch.complex64)
+        x0k = x0.to(torch.complex64)
+        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, out=nan_like(bk))
+        gD, gb, gx0 = K.pd_scan_bwd_cuda(P, Dk, x0k, x, gk, chunk=chunk, out=(nan_like(Dk), nan_like(bk)))
+        c = torch.complex128
+        return (x.to(c), gD.to(c), gb.to(c), gx0.to(c)), (Dk.to(c), bk.to(c), x.to(c), gk.to(c))
+    dt = torch.float32 if kind == "split_f32" else torch.bfloat16
+    Dr, Di, br, bi, gr, gi = (t.to(dt).contiguous() for t in (D.real, D.imag, b.real, b.imag, g.real, g.imag))
+    xr, xi = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, x0.to(torch.complex64), chunk=chunk,
+                                      out=(nan_like(br), nan_like(bi)))
+    gDr, gDi, gbr, gbi, gx0 = K.pd_scan_bwd_cuda_split(P, Dr, Di, x0.to(torch.complex64), xr, xi, gr, gi,
+                                                       chunk=chunk, out=tuple(nan_like(br) for _ in range(4)))
+    cx = lambda r, i: torch.complex(r.double(), i.double())
+    x = cx(xr, xi)
+    return (x, cx(gDr, gDi), cx(gbr, gbi), gx0.to(torch.complex128)), (cx(Dr, Di), cx(br, bi), x, cx(gr, gi))
+
+
+def check(quick):
+    dev = "cuda"
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1234)
+    tol = {"f32": 1e-4, "c64": 1e-4, "split_f32": 1e-4, "bf16": 2e-2, "split_bf16": 2e-2}
+    cases = []
+    Ls = [1, 127, 128, 129, 4096, 16384] if not quick else [1, 129, 4096]
+    for L in Ls:
+        for N in (16, 64, 128, 256):
+            for kind in tol:
+                if L >= 4096 and not (N == 128 or kind == "c64" or kind == "split_f32"):
+                    continue
+                cases.append((L, N, kind, "random", None))
+    for N in (512, 600, 1024):   # shared-memory-atomic scatter path (too large for per-warp buffers)
+        for kind in ("c64", "f32", "split_bf16"):
+            cases.append((300, N, kind, "random", None))
+    cases.append((4096, 512, "c64", "random", None))
+    for pm in ("collide", "zero", "perm"):
+        for kind in ("f32", "c64", "split_bf16"):
+            cases.append((1000, 128, kind, pm, None))
+    for ch in (1, 4, 16, 64):   # many chunks: long look-back chains
+        for kind in ("c64", "split_f32", "bf16"):
+            cases.append((4096, 64, kind, "random", ch))
+    say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
+    say("| L | N | kind | P | chunk | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    rows = []
+    for (L, N, kind, pm, ch) in cases:
+        cplx = kind in ("c64", "split_f32", "split_bf16")
+        P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
+        g = make(3, L, N, cplx, dev, "random", gen)[2]
+        if not cplx:
+            x0 = x0.float() if kind == "f32" else x0.to(torch.bfloat16)
+        try:
+            (x, gD, gb, gx0), (Ds, bs, xs, gs) = run_kind(kind, P, D, b, x0, g, ch)
+        except RuntimeError as e:
+            bad += 1
+            say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | error: {str(e)[:300]} | | | | NO |")
+            continue
+        x0s = x0.to(torch.complex128) if cplx else x0.double()
+        xr = ref_fwd(P, Ds, bs, x0s)
+        gDr, gbr, gx0r = ref_bwd(P, Ds, x0s, xs, gs)   # backward reference from the kernel's own saved x
+        errs = [rel(x, xr), rel(gD, gDr), rel(gb, gbr), rel(gx0, gx0r)]
+        ok = all(e < tol[kind] for e in errs)
+        bad += not ok
+        rows.append(dict(L=L, N=N, kind=kind, P=pm, chunk=ch, errs=errs, ok=ok))
+        say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | " + " | ".join(f"{e:.1e}" for e in errs) +
+            f" | {'yes' if ok else 'NO'} |")
+    say(f"correctness: {len(cases) - bad}/{len(cases)} passed")
+    return rows, bad
+
+
+# ---------------------------------------------------------------- timing
+def bench_ms(fn, reps=50):
+    """Median ms of fn() timed with events after warm-up; fn is replayed inside a CUDA graph when possible."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+        graphed = True
+    except Exception as e:  # fall back to eager timing
+        say(f"  (graph capture failed: {type(e).__name__}: {e}; timing eagerly)")
+        run, graphed = fn, False
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2], graphed
+
+
+def d2d_bandwidth():
+    """Best of: copy_ (cudaMemcpy) eager, copy_ in a graph, and an elementwise copy kernel; bytes read + written."""
+    n = 1 << 28  # 1 GiB of fp32
+    a = torch.randn(n, device="cuda")
+    b = torch.empty_like(a)
+    out = {}
+    for name, fn in (("copy_", lambda: b.copy_(a)), ("kernel", lambda: torch.mul(a, 1.0, out=b))):
+        out[name + " graph"] = bench_ms(fn, reps=20)[0]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            fn()
+        e.record()
+        e.synchronize()
+        out[name + " eager"] = s.elapsed_time(e) / 20
+    del a, b
+    tbs = {k: 2 * n * 4 / (ms * 1e-3) / 1e12 for k, ms in out.items()}
+    say("D2D copies (TB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in tbs.items()))
+    return max(tbs.values())
+
+
+def inputs_for(kind, S, L, N, nsets):
+    """nsets independent input sets (rotated so that small sizes do not time the L2 cache)."""
+    sets = []
+    for _ in range(nsets):
+        P = torch.randint(0, N, (S, L, N), device="cuda", dtype=torch.int16)
+        mag = 0.3 + 0.65 * torch.rand(S, L, N, device="cuda")
+        if kind in ("f32", "bf16"):
+            dt = torch.float32 if kind == "f32" else torch.bfloat16
+            sets.append((P, (mag * torch.sign(torch.randn_like(mag))).to(dt), torch.randn(S, L, N, device="cuda").to(dt)))
+        elif kind == "c64":
+            D = torch.polar(mag, 6.283 * torch.rand_like(mag))
+            sets.append((P, D, torch.randn(S, L, N, device="cuda", dtype=torch.complex64)))
+        else:
+            dt = torch.float32 if kind == "split_f32" else torch.bfloat16
+            D = torch.polar(mag, 6.283 * torch.rand_like(mag))
+            sets.append((P, D.real.to(dt).contiguous(), D.imag.to(dt).contiguous(),
+                         torch.randn(S, L, N, device="cuda").to(dt), torch.randn(S, L, N, device="cuda").to(dt)))
+    return sets
+
+
+ELEM = {"f32": 4, "bf16": 2, "c64": 8, "split_f32": 8, "split_bf16": 4}   # bytes per element of D, b, x, g
+
+
+def fwd_fn(kind, s, chunk):
+    if kind.startswith("split"):
+        return lambda: K.pd_scan_fwd_cuda_split(*s, chunk=chunk)
+    return lambda: K.pd_scan_fwd_cuda(*s, chunk=chunk)
+
+
+def bwd_fn(kind, s, chunk):
+    if kind.startswith("split"):
+        P, Dr, Di, br, bi = s
+        xr, xi = K.pd_scan_fwd_cuda_split(*s, chunk=chunk)
+        return lambda: K.pd_scan_bwd_cuda_split(P, Dr, Di, None, xr, xi, br, bi, chunk=chunk)
+    P, D, b = s
+    x = K.pd_scan_fwd_cuda(P, D, b, chunk=chunk)
+    return lambda: K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=chunk)
+
+
+def time_kind(kind, S, L, N, chunk=None, which="fwd"):
+    e = ELEM[kind]
+    elems = S * L * N
+    must = elems * (2 + 3 * e) if which == "fwd" else elems * (2 + 5 * e)
+    nsets = max(1, min(8, math.ceil(256e6 / must)))
+    sets = inputs_for(kind, S, L, N, nsets)
+    fns = [(fwd_fn if which == "fwd" else bwd_fn)(kind, s, chunk) for s in sets]
+
+    def all_sets():
+        for f in fns:
+            f()
+    ms, graphed = bench_ms(all_sets, reps=20 if must * nsets > 1e9 else 50)
+    ms /= nsets
+    del sets, fns
+    return ms, must / (ms * 1e-3) / 1e12, graphed
+
+
+# ---------------------------------------------------------------- PyTorch associative-scan baseline
+def combine(e1, e2):
+    """(P, D, b) of step 1 then step 2, as one column map: P = P2[P1], D = D1 * D2[P1], b = b2 + P2 D2 b1."""
+    P1, D1, b1 = e1
+    P2, D2, b2 = e2
+    P = torch.gather(P2, -1, P1)
+    D = D1 * torch.gather(D2, -1, P1)
+    b = b2 + torch.zeros_like(b2).scatter_add(-1, P2, D2 * b1)
+    return P, D, b
+
+
+def hillis_steele(P, D, b):
+    """Inclusive scan over dim 1 in log2(L) steps of the composition above (plain torch)."""
+    L = P.shape[1]
+    k = 1
+    while k < L:
+        nP, nD, nb = combine((P[:, :-k], D[:, :-k], b[:, :-k]), (P[:, k:], D[:, k:], b[:, k:]))
+        P = torch.cat([P[:, :k], nP], 1)
+        D = torch.cat([D[:, :k], nD], 1)
+        b = torch.cat([b[:, :k], nb], 1)
+        k *= 2
+    return b
+
+
+def baseline(S, L, N, mode):
+    P = torch.randint(0, N, (S, L, N), device="cuda")
+    D = torch.polar(0.3 + 0.65 * torch.rand(S, L, N, device="cuda"), 6.283 * torch.rand(S, L, N, device="cuda"))
+    b = torch.randn(S, L, N, device="cuda", dtype=torch.complex64)
+    if mode == "associative_scan":
+        from torch._higher_order_ops.associative_scan import associative_scan
+        fn = lambda: associative_scan(combine, (P, D, b), dim=1, combine_mode="generic")[2]
+    else:
+        fn = lambda: hillis_steele(P, D, b)
+    out = fn()
+    ref = K.pd_scan_fwd_cuda(P, D, b)
+    err = rel(ref, out.to(torch.complex128))
+    torch.cuda.synchronize()
+    reps = 3 if L >= 8192 else 10
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2], err
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,bwd,sweep,prof,base")
+    args = ap.parse_args()
+    skip = set(args.skip.split(","))
+    os.makedirs(args.out, exist_ok=True)
+    res = {}
+    props = torch.cuda.get_device_properties(0)
+    say(f"# pd_scan CUDA bench, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    say(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    say(f"command: {' '.join(sys.argv)}")
+    t0 = time.time()
+    ok = K.available()
+    say(f"build+load: {time.time() - t0:.1f} s, available={ok}, error={K.load_error()}")
+    if not ok:
+        sys.exit(1)
+    if "check" not in skip:
+        rows, bad = check(args.quick)
+        res["check"] = rows
+    bw = d2d_bandwidth()
+    res["d2d_TBps"] = bw
+    say(f"\nD2D copy bandwidth (1 GiB, read+write): {bw:.2f} TB/s")
+    S, N = 32, 128
+    Ls = [128, 512, 2048, 8192, 16384]
+    kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
+    for which in ("fwd", "bwd"):
+        if which in skip:
+            continue
+        say(f"\n## {which}: B={S}, N={N}, must-move bandwidth (TB/s) and fraction of D2D; time in ms (CUDA graph)")
+        say("| kind | " + " | ".join(f"L={L}" for L in Ls) + " |")
+        say("|---|" + "---|" * len(Ls))
+        for kind in kinds:
+            cells = []
+            for L in Ls:
+                ms, tbs, gr = time_kind(kind, S, L, N, which=which)
+                res[f"{which}/{kind}/{L}"] = dict(ms=ms, TBps=tbs, frac=tbs / bw, graphed=gr)
+                cells.append(f"{ms:.4f} ms, {tbs:.2f} ({100 * tbs / bw:.0f}%)")
+            say(f"| {kind} | " + " | ".join(cells) + " |")
+    if "sweep" not in skip:
+        say("\n## chunk sweep (fwd and bwd, B=32, N=128): ms")
+        say("| kind | L | dir | " + " | ".join(f"T={T}" for T in (4, 8, 16, 32, 64)) + " |")
+        say("|---|---|---|" + "---|" * 5)
+        for kind in ("split_f32", "split_bf16", "f32"):
+            for L in (2048, 16384):
+                for which in ("fwd", "bwd"):
+                    cells = []
+                    for T in (4, 8, 16, 32, 64):
+                        try:
+                            ms, tbs, _ = time_kind(kind, S, L, N, chunk=T, which=which)
+                            cells.append(f"{ms:.4f} ({100 * tbs / bw:.0f}%)")
+                        except Exception as e:
+                            cells.append(f"err {type(e).__name__}")
+                    say(f"| {kind} | {L} | {which} | " + " | ".join(cells) + " |")
+    if "prof" not in skip:
+        say("\n## forward block anatomy (clock64 cycles per block, means; B=32, N=128)")
+        say("| kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for kind in ("split_f32", "split_bf16"):
+            for L, T in ((2048, None), (16384, None), (16384, 32), (16384, 8)):
+                s = inputs_for(kind, S, L, N, 1)[0]
+                fwd_fn(kind, s, T)()
+                K._state["profile"] = True
+                fwd_fn(kind, s, T)()
+                torch.cuda.synchronize()
+                K._state["profile"] = False
+                pr, _, C, TT = K._state.pop("last_profile")
+                pr = pr.cpu().double()
+                fast = pr[:, 6] < 0
+                slow = ~fast
+                f = lambda v: f"{v.mean().item():.0f}" if v.numel() else "-"
+                life = pr[:, 5] - pr[:, 0]
+                # residency: per SM, mean number of blocks alive at each block's start
+                alive = []
+                for sm in pr[:, 7].unique()[:8]:
+                    blk = pr[pr[:, 7] == sm]
+                    for t0 in blk[:, 0][::7]:
+                        alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
+                say(f"| {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
+                    f"{f(pr[:, 1] - pr[:, 0])} | {f((pr[:, 2] - pr[:, 1])[slow])} | {f((pr[:, 3] - pr[:, 2])[slow])} | "
+                    f"{f((pr[:, 4] - pr[:, 3])[slow])} | {f(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))} | {f(life)} | "
+                    f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
+                del s
+    if "base" not in skip:
+        say("\n## PyTorch baselines, complex64, B=32, N=128 (fwd ms; speedup of the c64 / split kernels)")
+        mode = "associative_scan"
+        try:
+            baseline(2, 64, 16, mode)
+        except Exception as e:
+            say(f"associative_scan unavailable ({type(e).__name__}: {str(e)[:200]}); using Hillis-Steele in torch")
+            mode = "hillis_steele"
+        say(f"baseline: {mode}")
+        say("| L | baseline ms | rel err vs kernel | c64 kernel ms | speedup | split_f32 speedup | split_bf16 speedup |")
+        say("|---|---|---|---|---|---|---|")
+        for L in Ls:
+            try:
+                ms, err = baseline(S, L, N, mode)
+            except Exception as e:
+                say(f"| {L} | failed: {type(e).__name__}: {str(e)[:120]} |")
+                continue
+            kc = res.get(f"fwd/c64/{L}", {}).get("ms", float("nan"))
+            k1 = res.get(f"fwd/split_f32/{L}", {}).get("ms", float("nan"))
+            k2 = res.get(f"fwd/split_bf16/{L}", {}).get("ms", float("nan"))
+            res[f"base/{L}"] = dict(ms=ms, err=err, mode=mode)
+            say(f"| {L} | {ms:.3f} | {err:.1e} | {kc:.4f} | {ms / kc:.0f}x | {ms / k1:.0f}x | {ms / k2:.0f}x |")
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "pd_scan_bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "pd_scan_bench.md"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

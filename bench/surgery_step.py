@@ -1,0 +1,196 @@
+"""One training step of a real-size host with inserted layers, per mixer kind, plus CUDA-vs-CPU agreement.
+
+For each kind this
+  1. builds a random-weight host with a real configuration (default granite-4.0-h-micro, all 40 layers, bf16, on
+     the GPU), inserts 4 layers (one before each attention block), and times full training steps
+     (forward + backward + AdamW on the inserted layers, host frozen): tokens/s and peak memory;
+  2. builds a smaller real-width host in float32 on the CPU (default granite-4.0-h-350m cut to 14 layers: 2
+     attention blocks), inserts layers with non-zero out_proj, and compares its logits with the same weights moved
+     to the GPU (relative error).
+The host's own Mamba layers run transformers' PyTorch path (no causal-conv1d here); the inserted layers use their
+GPU kernels (mamba-ssm / fla Triton, our pd_scan CUDA) where available.
+
+    PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
+    python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from llm_surgery.hosts import build_host
+from llm_surgery.insert import count_parameters, insert_layers, inserted_layers, remove_inserted
+from llm_surgery.insert.host import attention_layers
+
+
+def quick_autotune() -> None:
+    """Keep the first Triton config that runs (full autotuning costs minutes per kernel on a first call)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from mixers_cuda_vs_cpu import quick_autotune as patch
+        patch()
+    except Exception as exc:  # noqa: BLE001 - without Triton there is nothing to patch
+        print(f"(quick autotune not applied: {exc!r})")
+
+
+def perturb(model, seed: int, std: float = 0.02) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in inserted_layers(model).values():
+            w = b.mixer.out_proj.weight
+            w.copy_((torch.randn(w.shape, generator=g) * std).to(w.dtype))
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_steps(model, kind: str, args) -> dict:
+    n = min(4, len(attention_layers(model.model)))
+    torch.manual_seed(0)
+    insert_layers(model, kind, n)
+    n_ins, n_total = count_parameters(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=torch.device(args.device).type == "cuda")
+    model.train()
+    x = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=args.device)
+
+    def step():
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    loss = step()  # first step: kernel builds, autotuning, optimizer state
+    sync(args.device)
+    first = time.perf_counter() - t0
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync(args.device)
+    dt = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.device(args.device).type == "cuda" else float("nan")
+    del opt
+    remove_inserted(model)
+    for p in params:
+        p.grad = None
+    return {"kind": kind, "n": n, "inserted_params": n_ins, "total_params": n_total, "first_step_s": first,
+            "step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": peak,
+            "loss": float(loss.detach().float())}
+
+
+def cuda_vs_cpu(kind: str, args) -> dict:
+    torch.manual_seed(1)
+    model = build_host(args.check_host, device="cpu", dtype=torch.float32, num_hidden_layers=args.check_layers)
+    n = min(4, len(attention_layers(model.model)))
+    insert_layers(model, kind, n)
+    perturb(model, seed=2)
+    model.eval()
+    x = torch.randint(3, model.config.vocab_size, (2, args.check_seq), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(x, use_cache=False).logits.double()
+        model.to(args.device)
+        out = model(x.to(args.device), use_cache=False).logits.double().cpu()
+        model.to("cpu")
+        remove_inserted(model)
+        host = model(x, use_cache=False).logits.double()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    effect = ((ref - host).norm() / ref.norm()).item()  # how much the inserted layers change the logits
+    return {"kind": kind, "n": n, "rel_err": rel, "max_abs_err": (out - ref).abs().max().item(),
+            "inserted_effect": effect}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="granite-4.0-h-micro")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--kinds", default="mamba2,deltanet,pdssm")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--check-host", default="granite-4.0-h-350m")
+    ap.add_argument("--check-layers", type=int, default=14)
+    ap.add_argument("--check-seq", type=int, default=128)
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device; use --device cpu for a smoke run")
+        print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
+        if importlib.util.find_spec("triton"):
+            quick_autotune()
+    import transformers
+    print("transformers", transformers.__version__)
+
+    results = {"args": vars(args), "train": [], "check": []}
+    model = None
+    if not args.skip_train:
+        t0 = time.perf_counter()
+        model = build_host(args.host, device=args.device, dtype=torch.bfloat16, num_hidden_layers=args.layers)
+        print(f"host {args.host} ({len(model.model.layers)} layers, attention at {attention_layers(model.model)}) "
+              f"built in {time.perf_counter() - t0:.1f}s", flush=True)
+    for kind in kinds:  # kind by kind, so that a run cut short still reports whole kinds
+        try:
+            r = cuda_vs_cpu(kind, args)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other kinds
+            r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        print(json.dumps(r), flush=True)
+        results["check"].append(r)
+        if model is None:
+            continue
+        try:
+            r = train_steps(model, kind, args)
+        except Exception as exc:  # noqa: BLE001
+            r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            if inserted_layers(model):
+                remove_inserted(model)
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps(r), flush=True)
+        results["train"].append(r)
+
+    L = args.layers or "all"
+    print(f"\n### Training step: {args.host} ({L} layers), bf16, batch {args.batch} x {args.seq} tokens, "
+          f"fwd+bwd+AdamW, {args.steps} timed steps\n")
+    print("| kind | inserted | inserted params (share) | first step s | step s | tokens/s | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results["train"]:
+        if "error" in r:
+            print(f"| {r['kind']} | error: {r['error'][:120]} | | | | | |")
+        else:
+            print(f"| {r['kind']} | {r['n']} | {r['inserted_params'] / 1e6:.1f}M "
+                  f"({100 * r['inserted_params'] / r['total_params']:.2f}%) | {r['first_step_s']:.1f} | "
+                  f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} |")
+    print(f"\n### {args.device} vs CPU logits: {args.check_host} ({args.check_layers} layers), float32, "
+          f"2 x {args.check_seq} tokens, inserted out_proj ~ N(0, 0.02)\n")
+    print("| kind | inserted | relative error | max abs error | inserted layers' effect on logits (relative) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in results["check"]:
+        if "error" in r:
+            print(f"| {r['kind']} | error: {r['error'][:120]} | | | |")
+        else:
+            print(f"| {r['kind']} | {r['n']} | {r['rel_err']:.2e} | {r['max_abs_err']:.2e} | "
+                  f"{r['inserted_effect']:.2e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else o)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,725 @@
+// PD-SSM recurrence on the GPU: single-pass chunked scan with decoupled look-back.
+//
+//   forward   x_t[n]  = b_t[n] + sum_{m : P_t[m] = n} D_t[m] x_{t-1}[m]         (scatter-add, x_{-1} = x0)
+//   backward  lam_{t-1} = g_{t-1} + conj(D_t) * lam_t[P_t]                         (gather)
+//             grad_b = lam, grad_D_t[m] = conj(x_{t-1}[m]) lam_t[P_t[m]], grad_x0[m] = conj(D_0[m]) lam_0[P_0[m]]
+//
+// One block per (sequence, chunk of T steps), one thread per state entry m. Blocks take tickets from a global
+// counter in dependency order, so every block they wait for is already running (no deadlock). Each block copies
+// its chunk's inputs into shared memory ONCE (bulk copies on an mbarrier), then
+//   1. folds the chunk with a zero entering state into an aggregate (column map pi, factor d, zero-state end y),
+//      and publishes it (flag 1) -- skipped when the entering state is already published (always for chunk 0);
+//   2. looks back over its predecessors' flags (one warp, 32 at a time) to the nearest published inclusive state,
+//      applies the aggregates in between, gets its entering state, publishes its own inclusive state (flag 2);
+//   3. replays the chunk from the entering state out of shared memory and writes the outputs.
+// Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
+//
+// Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
+// complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
+// This file includes no torch header: the binding lives in pd_scan_bind.cpp.
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include <cstdio>
+#include "pd_scan.cuh"
+
+namespace pdk {
+
+enum Kind { REAL = 0, SPLIT = 1, CPLX = 2 };
+
+// ---------------------------------------------------------------- scalar helpers
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float cmul(float a, float b) { return a * b; }
+__device__ __forceinline__ float2 cmul(float2 a, float2 b) {
+  return make_float2(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x);
+}
+__device__ __forceinline__ float conjv(float a) { return a; }
+__device__ __forceinline__ float2 conjv(float2 a) { return make_float2(a.x, -a.y); }
+__device__ __forceinline__ float addv(float a, float b) { return a + b; }
+__device__ __forceinline__ float2 addv(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+template <typename A> __device__ __forceinline__ A zero_v();
+template <> __device__ __forceinline__ float zero_v<float>() { return 0.f; }
+template <> __device__ __forceinline__ float2 zero_v<float2>() { return make_float2(0.f, 0.f); }
+template <typename A> __device__ __forceinline__ A one_v();
+template <> __device__ __forceinline__ float one_v<float>() { return 1.f; }
+template <> __device__ __forceinline__ float2 one_v<float2>() { return make_float2(1.f, 0.f); }
+__device__ __forceinline__ void atomic_add_v(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add_v(float2* p, float2 v) { atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); }
+__device__ __forceinline__ float ldcg_v(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float2 ldcg_v(const float2* p) { return __ldcg(p); }
+
+template <int K> struct AccT { using T = float2; };
+template <> struct AccT<REAL> { using T = float; };
+
+// One logical array (D, b, x, ...): planes in global memory and its slice in shared memory.
+template <int K, typename In> struct Arr {
+  using A = typename AccT<K>::T;
+  static constexpr int planes = (K == SPLIT) ? 2 : 1;
+  static constexpr int esize = (K == CPLX) ? 8 : (int)sizeof(In);  // bytes per element of one plane
+  // read element i of a shared slice whose planes are `stride` elements apart
+  static __device__ __forceinline__ A sload(const unsigned char* s, int i, int stride) {
+    if constexpr (K == REAL) return to_f(reinterpret_cast<const In*>(s)[i]);
+    else if constexpr (K == SPLIT) {
+      const In* p = reinterpret_cast<const In*>(s);
+      return make_float2(to_f(p[i]), to_f(p[i + stride]));
+    } else return reinterpret_cast<const float2*>(s)[i];
+  }
+  static __device__ __forceinline__ void gstore(void* re, void* im, size_t i, A v) {
+    if constexpr (K == REAL) reinterpret_cast<In*>(re)[i] = from_f<In>(v);
+    else if constexpr (K == SPLIT) {
+      reinterpret_cast<In*>(re)[i] = from_f<In>(v.x);
+      reinterpret_cast<In*>(im)[i] = from_f<In>(v.y);
+    } else reinterpret_cast<float2*>(re)[i] = v;
+  }
+};
+
+// ---------------------------------------------------------------- async global -> shared copy
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Copy `bytes` (a multiple of 2) from global to shared with the widest access the alignment allows.
+__device__ __forceinline__ void copy_in(void* dst, const void* src, int bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | (uintptr_t)bytes;
+  unsigned char* d = static_cast<unsigned char*>(dst);
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+  if ((a & 15) == 0) {
+    for (int i = threadIdx.x * 16; i < bytes; i += blockDim.x * 16) cp_async16(d + i, s + i);
+  } else if ((a & 3) == 0) {
+    for (int i = threadIdx.x; i < bytes / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
+  } else {
+    for (int i = threadIdx.x; i < bytes / 2; i += blockDim.x)
+      reinterpret_cast<uint16_t*>(d)[i] = reinterpret_cast<const uint16_t*>(s)[i];
+  }
+}
+
+
+__device__ __forceinline__ float shfl_v(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ float2 shfl_v(float2 v, int src) {
+  return make_float2(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src));
+}
+
+// Warps (= per-warp scatter buffers, a power of two <= 8) of the forward block for a state of N entries;
+// 0 = too large: one buffer with shared-memory atomics (compare-and-swap loops on sm_90), N + 31 & ~31 threads.
+__host__ __device__ __forceinline__ int fwd_warp_buffers(int N, int asize) {
+  const int need = (N + 31) / 32;
+  int W = 1;
+  while (W < need) W *= 2;
+  return (W <= 8 && 2 * W * (32 * W) * asize <= 32 * 1024) ? W : 0;
+}
+__host__ __device__ __forceinline__ int fwd_block(int N, int asize) {
+  const int W = fwd_warp_buffers(N, asize);
+  return W ? 32 * W : (N + 31) / 32 * 32;
+}
+
+__device__ __forceinline__ void add4(float& r, float4 v) { r += (v.x + v.y) + (v.z + v.w); }
+__device__ __forceinline__ void add4(float2& r, float4 v) { r.x += v.x + v.z; r.y += v.y + v.w; }
+
+// One scatter-add step of a whole block: every thread calls step(dest, val) (dest < 0: adds nothing) and gets
+// back the sum of the values sent to its own entry. Double-buffered by parity, so one barrier per step.
+// PW: lanes of a warp with equal dest are summed with shuffles, and the group leader stores into its warp's
+// slot of that entry (no atomics); the reader sums its entry's W slots (contiguous: 16-byte loads); leaders
+// clear their slot when the buffer comes round again. Slots are swizzled by dest to spread the stores over the
+// banks. Without PW (large N): shared-memory atomics into one buffer, cleared by the reader.
+template <typename A, int WPW>
+struct Scatter {
+  static constexpr int W = WPW > 0 ? WPW : 1;
+  static constexpr bool vec = (W * (int)sizeof(A)) % 16 == 0;
+  A* buf;           // [2][Np][W]
+  int Np, m, par;
+  int old0, old1;   // PW: the slot this lane last wrote as leader in each parity's buffer (-1: none)
+  __device__ void init(A* b, int np) {
+    buf = b; Np = np; m = threadIdx.x; par = 0; old0 = old1 = -1;
+#pragma unroll
+    for (int i = 0; i < 2 * W; ++i) buf[((i / W) * Np + m) * W + (i % W)] = zero_v<A>();
+  }
+  __device__ __forceinline__ A step(int dest, A val) {
+    A* base = buf + par * W * Np;
+    if constexpr (WPW > 0) {
+      const int lane = threadIdx.x & 31;
+      const unsigned mask = __match_any_sync(0xffffffffu, dest);
+      const int maxc = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(mask)));
+      A sum = val;
+      unsigned others = mask & ~(1u << lane);
+      for (int i = 1; i < maxc; ++i) {
+        const int src = others ? __ffs(others) - 1 : lane;
+        const A t = shfl_v(val, src);
+        if (others) {
+          sum = addv(sum, t);
+          others &= others - 1;
+        }
+      }
+      // This parity's buffer was read two steps ago (before the last barrier): the leaders of that step clear
+      // their slots, then this step's leaders store (the warp's stores stay ordered across the __syncwarp).
+      const int old = par ? old1 : old0;
+      if (old >= 0) base[old] = zero_v<A>();
+      __syncwarp();
+      int slot = -1;
+      if (dest >= 0 && lane == __ffs(mask) - 1) {
+        const int w = threadIdx.x >> 5;
+        slot = dest * W + (W > 1 ? (w ^ ((dest >> 2) & (W - 1))) : 0);
+        base[slot] = sum;
+      }
+      if (par) old1 = slot;
+      else old0 = slot;
+    } else {
+      if (dest >= 0) atomic_add_v(&base[dest], val);
+    }
+    __syncthreads();
+    A r = zero_v<A>();
+    A* row = base + m * W;
+    if constexpr (vec) {
+      float4* r4 = reinterpret_cast<float4*>(row);
+#pragma unroll
+      for (int i = 0; i < W * (int)sizeof(A) / 16; ++i) {
+        add4(r, r4[i]);
+        if constexpr (WPW == 0) r4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        r = addv(r, row[w]);
+        if constexpr (WPW == 0) row[w] = zero_v<A>();
+      }
+    }
+    par ^= 1;
+    return r;
+  }
+};
+
+constexpr int LB = 4;   // aggregates prefetched together during the look-back
+
+
+// ---------------------------------------------------------------- bulk (TMA) global -> shared staging
+// One thread issues one bulk copy per contiguous region (cp.async.bulk, completing on an mbarrier) instead of
+// every thread issuing 16-byte copies: the chunk's inputs arrive with a handful of instructions per block.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)));
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// Stage `bytes` from global to shared: a bulk copy when both ends and the size are 16-byte aligned (all threads
+// count it in tx, thread 0 issues it), else plain loads by all threads. The transaction count may run ahead of
+// the expect_tx that stage_finish posts (the mbarrier phase cannot complete before that arrival).
+__device__ __forceinline__ void stage_copy(void* dst, const void* src, int bytes, uint64_t* bar, unsigned& tx) {
+  if (bytes <= 0) return;
+  const uintptr_t al = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | (uintptr_t)bytes;
+  if ((al & 15) == 0) {
+    if (threadIdx.x == 0) bulk_g2s(dst, src, static_cast<unsigned>(bytes), bar);
+    tx += static_cast<unsigned>(bytes);
+  } else {
+    copy_in(dst, src, bytes);
+  }
+}
+__device__ __forceinline__ void stage_finish(uint64_t* bar, unsigned tx) {
+  cp_async_wait_all();
+  if (tx) {
+    if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, tx);
+    mbar_wait(bar, 0);
+  }
+}
+
+__host__ __device__ __forceinline__ int align16(int x) { return (x + 15) & ~15; }
+
+// Warp 0 scans the flags of chunks hi, hi+step, ... (step = -1 forward, +1 backward) until it finds the nearest
+// chunk with an inclusive state (flag 2) such that every chunk in between has at least its aggregate (flag 1).
+// Chunks outside [0, C) count as inclusive (the sequence's boundary state). Returns that chunk's index.
+__device__ __forceinline__ int look_back(const int* flags, int first, int step, int C) {
+  __shared__ int s_j;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int top = first;
+    while (true) {
+      const int k = top + step * lane;
+      const int f = (k < 0 || k >= C) ? 2 : *reinterpret_cast<const volatile int*>(flags + k);
+      const unsigned inc = __ballot_sync(0xffffffffu, f == 2);
+      const unsigned zer = __ballot_sync(0xffffffffu, f == 0);
+      if (inc) {
+        const int p = __ffs(inc) - 1;
+        const unsigned below = (p == 0) ? 0u : ((1u << p) - 1u);
+        if ((zer & below) == 0) {
+          if (lane == 0) s_j = top + step * p;
+          break;
+        }
+      } else if (zer == 0) {
+        top += 32 * step;
+        continue;
+      }
+      __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return s_j;
+}
+
+// Thread-level check that a chunk's inclusive state is published (acquire: fence after the flag read).
+__device__ __forceinline__ int ready(const int* flag) {
+  const int f = *reinterpret_cast<const volatile int*>(flag);
+  __threadfence();
+  return f == 2;
+}
+
+__device__ __forceinline__ void publish_flag(int* flag, int v) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(flag, v);
+}
+
+// Out-of-range indices (a contract violation) become 0 and raise the error flag: no shared-memory access
+// ever leaves the state. Done once per block on the staged chunk, so the step loops index without checks.
+// Called after the chunk is visible to all threads; the caller's next barrier publishes the fixes.
+__device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N, int* err) {
+  bool bad = false;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    if (static_cast<unsigned>(sP[i]) >= static_cast<unsigned>(N)) {
+      sP[i] = 0;
+      bad = true;
+    }
+  }
+  if (bad) atomicOr(err, 1);
+}
+
+
+
+// ---------------------------------------------------------------- forward
+template <int K, typename In, int WPW>
+__global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs a) {
+  using R = Arr<K, In>;
+  using A = typename R::A;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_ticket, s_fast;
+  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int Np = blockDim.x;
+  const int m = threadIdx.x;
+  const bool act = m < N;
+  int* err = a.counter + 1;
+  int* flags = a.counter + 2;
+
+  __shared__ uint64_t s_bar;
+  if (threadIdx.x == 0) {
+    s_ticket = atomicAdd(a.counter, 1);
+    mbar_init(&s_bar);
+  }
+  __syncthreads();
+  const int tk = s_ticket;
+  const int c = tk / S, q = tk % S;
+  const int s0 = c * T;
+  long long* prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;   // optional timing probes
+  if (prof && threadIdx.x == 0) prof[0] = clock64();
+  const int Tc = min(T, L - s0);
+  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;   // element offset of the chunk's first row
+
+  // shared layout: scatter buffers [2][W][Np] A | D planes | b planes | P
+  constexpr int W = WPW > 0 ? WPW : 1;
+  Scatter<A, WPW> sc;
+  sc.init(reinterpret_cast<A*>(smem), Np);
+  unsigned char* sD = smem + align16(2 * W * Np * (int)sizeof(A));
+  const int plane_bytes = align16(T * N * R::esize);
+  unsigned char* sB = sD + R::planes * plane_bytes;
+  const Idx* sP = reinterpret_cast<const Idx*>(sB + R::planes * plane_bytes);
+  const int pstride = plane_bytes / R::esize;   // elements between planes in shared memory
+
+  {
+    const int nb = Tc * N * R::esize;
+    unsigned tx = 0;
+    stage_copy(sD, static_cast<const unsigned char*>(a.a0_re) + row0 * R::esize, nb, &s_bar, tx);
+    stage_copy(sB, static_cast<const unsigned char*>(a.a1_re) + row0 * R::esize, nb, &s_bar, tx);
+    if constexpr (K == SPLIT) {
+      stage_copy(sD + plane_bytes, static_cast<const unsigned char*>(a.a0_im) + row0 * R::esize, nb, &s_bar, tx);
+      stage_copy(sB + plane_bytes, static_cast<const unsigned char*>(a.a1_im) + row0 * R::esize, nb, &s_bar, tx);
+    }
+    stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
+    stage_finish(&s_bar, tx);
+    __syncthreads();
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    if (threadIdx.x == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
+    __syncthreads();
+  }
+  const bool fast = s_fast;   // entering state known: no aggregate needed, publish the inclusive after the replay
+  if (prof && threadIdx.x == 0) {
+    prof[1] = clock64();
+    prof[6] = -1;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    prof[7] = smid;
+  }
+  auto Dk = [&](int k, int i) { return R::sload(sD, k * N + i, pstride); };
+  auto Bk = [&](int k, int i) { return R::sload(sB, k * N + i, pstride); };
+  auto Pk = [&](int k, int i) { return static_cast<int>(sP[k * N + i]); };
+
+  const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
+  A* agg_d = static_cast<A*>(a.agg_d);
+  A* agg_v = static_cast<A*>(a.agg_v);
+  A* incl = static_cast<A*>(a.incl);
+  const A* x0 = static_cast<const A*>(a.x0);
+
+  A xin = zero_v<A>();
+  if (fast) {
+    if (c == 0) {
+      if (act && x0) xin = x0[static_cast<size_t>(q) * N + m];
+    } else if (act) {
+      xin = ldcg_v(incl + (static_cast<size_t>(q) * C + c - 1) * N + m);
+    }
+  } else {
+    // 1. aggregate of this chunk from a zero entering state: zero-state end y, and where each entering entry
+    //    ends up (pi) with which factor (d) -- the latter a per-thread gather chain
+    A y = zero_v<A>(), d = one_v<A>();
+    int pi = m;
+    if (act) {
+      y = Bk(0, m);
+      d = Dk(0, m);
+      pi = Pk(0, m);
+    }
+    for (int k = 1; k < Tc; ++k) {
+      int dest = -1;
+      A val = zero_v<A>();
+      if (act) {
+        dest = Pk(k, m);
+        val = cmul(Dk(k, m), y);
+        d = cmul(Dk(k, pi), d);
+        pi = Pk(k, pi);
+      }
+      const A r = sc.step(dest, val);
+      if (act) y = addv(Bk(k, m), r);
+    }
+    if (act) {
+      a.agg_pi[cbase + m] = pi;
+      agg_d[cbase + m] = d;
+      agg_v[cbase + m] = y;
+    }
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 1);
+    if (prof && threadIdx.x == 0) prof[2] = clock64();
+
+    // 2. look back to the nearest inclusive state, then apply the aggregates in between
+    const int* qflags = flags + static_cast<size_t>(q) * C;
+    const int j = look_back(qflags, c - 1, -1, C);
+    if (prof && threadIdx.x == 0) {
+      prof[3] = clock64();
+      prof[6] = c - 1 - j;
+    }
+    A st = zero_v<A>();
+    if (act) {
+      if (j >= 0) st = ldcg_v(incl + (static_cast<size_t>(q) * C + j) * N + m);
+      else if (x0) st = x0[static_cast<size_t>(q) * N + m];
+    }
+    // aggregates j+1 .. c-1, LB at a time: their loads are issued together, then one barrier per aggregate
+    for (int i0 = j + 1; i0 < c; i0 += LB) {
+      int pb[LB];
+      A db[LB], yb[LB];
+#pragma unroll
+      for (int u = 0; u < LB; ++u) {
+        pb[u] = -1;
+        db[u] = zero_v<A>();
+        yb[u] = zero_v<A>();
+        if (act && i0 + u < c) {
+          const size_t ib = (static_cast<size_t>(q) * C + i0 + u) * N + m;
+          pb[u] = __ldcg(a.agg_pi + ib);
+          db[u] = ldcg_v(agg_d + ib);
+          yb[u] = ldcg_v(agg_v + ib);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < LB; ++u) {
+        if (i0 + u < c) {
+          const A r = sc.step(pb[u], cmul(db[u], st));
+          if (act) st = addv(yb[u], r);
+        }
+      }
+    }
+    xin = st;
+    // inclusive state at this chunk's end: y + scatter(pi, d * xin)
+    const A r = sc.step(act ? pi : -1, cmul(d, xin));
+    if (act) incl[cbase + m] = addv(y, r);
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+    if (prof && threadIdx.x == 0) prof[4] = clock64();
+  }
+
+  // 3. replay from xin, writing x
+  A y = xin;
+  for (int k = 0; k < Tc; ++k) {
+    int dest = -1;
+    A val = zero_v<A>();
+    if (act) {
+      dest = Pk(k, m);
+      val = cmul(Dk(k, m), y);
+    }
+    const A r = sc.step(dest, val);
+    if (act) {
+      y = addv(Bk(k, m), r);
+      R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + m, y);
+    }
+  }
+  if (fast) {
+    if (act) incl[cbase + m] = y;
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+  }
+  if (prof && threadIdx.x == 0) prof[5] = clock64();
+}
+
+// ---------------------------------------------------------------- backward
+template <int K, typename In>
+__global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
+  using R = Arr<K, In>;
+  using A = typename R::A;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_ticket, s_fast;
+  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int Np = blockDim.x;
+  const int m = threadIdx.x;
+  const bool act = m < N;
+  int* err = a.counter + 1;
+  int* flags = a.counter + 2;
+
+  __shared__ uint64_t s_bar;
+  if (threadIdx.x == 0) {
+    s_ticket = atomicAdd(a.counter, 1);
+    mbar_init(&s_bar);
+  }
+  __syncthreads();
+  const int tk = s_ticket;
+  const int c = C - 1 - tk / S, q = tk % S;     // last chunk first
+  const int s0 = c * T;
+  const int Tc = min(T, L - s0);
+  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;
+
+  // shared layout: buf[2][Np] A | D planes | g planes | x planes (slot k = x_{s0+k-1}) | P
+  A* buf = reinterpret_cast<A*>(smem);
+  unsigned char* sD = smem + align16(2 * Np * (int)sizeof(A));
+  const int plane_bytes = align16(T * N * R::esize);
+  unsigned char* sG = sD + R::planes * plane_bytes;
+  unsigned char* sX = sG + R::planes * plane_bytes;
+  const Idx* sP = reinterpret_cast<const Idx*>(sX + R::planes * plane_bytes);
+  const int pstride = plane_bytes / R::esize;
+
+  {
+    const int nb = Tc * N * R::esize;
+    unsigned tx = 0;
+    stage_copy(sD, static_cast<const unsigned char*>(a.a0_re) + row0 * R::esize, nb, &s_bar, tx);
+    stage_copy(sG, static_cast<const unsigned char*>(a.a1_re) + row0 * R::esize, nb, &s_bar, tx);
+    // x rows s0-1 .. s0+Tc-2 into slots 0..Tc-1 (slot 0 of chunk 0 is x0, read separately)
+    const int xs = (c == 0) ? 1 : 0;
+    const size_t xrow = row0 - static_cast<size_t>(N) + static_cast<size_t>(xs) * N;
+    const int xb = (Tc - xs) * N * R::esize;
+    stage_copy(sX + xs * N * R::esize, static_cast<const unsigned char*>(a.a2_re) + xrow * R::esize, xb, &s_bar, tx);
+    if constexpr (K == SPLIT) {
+      stage_copy(sD + plane_bytes, static_cast<const unsigned char*>(a.a0_im) + row0 * R::esize, nb, &s_bar, tx);
+      stage_copy(sG + plane_bytes, static_cast<const unsigned char*>(a.a1_im) + row0 * R::esize, nb, &s_bar, tx);
+      stage_copy(sX + plane_bytes + xs * N * R::esize, static_cast<const unsigned char*>(a.a2_im) + xrow * R::esize, xb, &s_bar, tx);
+    }
+    stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
+    stage_finish(&s_bar, tx);
+    __syncthreads();
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    if (threadIdx.x == 0) s_fast = (c == C - 1) ? 1 : ready(flags + static_cast<size_t>(q) * C + c + 1);
+    __syncthreads();
+  }
+  const bool fast = s_fast;
+  auto Dk = [&](int k, int i) { return R::sload(sD, k * N + i, pstride); };
+  auto Gk = [&](int k, int i) { return R::sload(sG, k * N + i, pstride); };
+  auto Pk = [&](int k, int i) { return static_cast<int>(sP[k * N + i]); };
+  const A* x0 = static_cast<const A*>(a.x0);
+  A x0m = zero_v<A>();
+  if (c == 0 && act && x0) x0m = x0[static_cast<size_t>(q) * N + m];
+  auto Xk = [&](int k, int i) { return (c == 0 && k == 0) ? x0m : R::sload(sX, k * N + i, pstride); };
+
+  const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
+  A* agg_d = static_cast<A*>(a.agg_d);
+  A* agg_v = static_cast<A*>(a.agg_v);
+  A* incl = static_cast<A*>(a.incl);
+
+  A vin = zero_v<A>();   // carry into this chunk's last step: lam_{e} = g_e + vin
+  if (fast) {
+    if (c != C - 1 && act) vin = ldcg_v(incl + (static_cast<size_t>(q) * C + c + 1) * N + m);
+  } else {
+    // 1. aggregate: zero-carry exit value v and the gather map (pi, d) through the chunk
+    A v = zero_v<A>(), d = one_v<A>();
+    int pi = m;
+    if (act) buf[((Tc - 1) & 1) * Np + m] = Gk(Tc - 1, m);
+    __syncthreads();
+    for (int k = Tc - 1; k >= 0; --k) {
+      const int cur = k & 1;
+      const int kk = Tc - 1 - k;   // map tracking runs forward in time
+      if (act) {
+        const A g = buf[cur * Np + Pk(k, m)];
+        if (k > 0) buf[(cur ^ 1) * Np + m] = addv(Gk(k - 1, m), cmul(conjv(Dk(k, m)), g));
+        else v = cmul(conjv(Dk(0, m)), g);
+        d = cmul(d, conjv(Dk(kk, pi)));
+        pi = Pk(kk, pi);
+      }
+      __syncthreads();
+    }
+    if (act) {
+      a.agg_pi[cbase + m] = pi;
+      agg_d[cbase + m] = d;
+      agg_v[cbase + m] = v;
+    }
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 1);
+
+    // 2. look ahead (later chunks) to the nearest inclusive exit value, apply the aggregates in between
+    const int* qflags = flags + static_cast<size_t>(q) * C;
+    const int j = look_back(qflags, c + 1, +1, C);
+    A st = zero_v<A>();
+    if (act && j < C) st = ldcg_v(incl + (static_cast<size_t>(q) * C + j) * N + m);
+    int step = 0;
+    for (int i0 = j - 1; i0 > c; i0 -= LB) {
+      int pb[LB];
+      A db[LB], vb[LB];
+#pragma unroll
+      for (int u = 0; u < LB; ++u) {
+        pb[u] = 0;
+        db[u] = zero_v<A>();
+        vb[u] = zero_v<A>();
+        if (act && i0 - u > c) {
+          const size_t ib = (static_cast<size_t>(q) * C + i0 - u) * N + m;
+          pb[u] = __ldcg(a.agg_pi + ib);
+          db[u] = ldcg_v(agg_d + ib);
+          vb[u] = ldcg_v(agg_v + ib);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < LB; ++u) {
+        if (i0 - u > c) {
+          const int cur = (step + u) & 1;
+          if (act) buf[cur * Np + m] = st;
+          __syncthreads();
+          if (act) st = addv(vb[u], cmul(db[u], buf[cur * Np + pb[u]]));
+        }
+      }
+      step += min(LB, i0 - c);
+    }
+    vin = st;
+    if (act) buf[(step & 1) * Np + m] = vin;
+    __syncthreads();
+    if (act) incl[cbase + m] = addv(v, cmul(d, buf[(step & 1) * Np + pi]));
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+  }
+
+  // 3. replay backwards in time from vin, writing grad_b and grad_D
+  if (act) buf[((Tc - 1) & 1) * Np + m] = addv(Gk(Tc - 1, m), vin);
+  __syncthreads();
+  A vout = zero_v<A>();
+  for (int k = Tc - 1; k >= 0; --k) {
+    const int cur = k & 1;
+    if (act) {
+      const A lam = buf[cur * Np + m];
+      const A g = buf[cur * Np + Pk(k, m)];
+      const size_t o = row0 + static_cast<size_t>(k) * N + m;
+      R::gstore(a.out_re, a.out_im, o, lam);
+      R::gstore(a.out2_re, a.out2_im, o, cmul(conjv(Xk(k, m)), g));
+      if (k > 0) buf[(cur ^ 1) * Np + m] = addv(Gk(k - 1, m), cmul(conjv(Dk(k, m)), g));
+      else vout = cmul(conjv(Dk(0, m)), g);
+    }
+    __syncthreads();
+  }
+  if (c == 0 && act && a.gx0) static_cast<A*>(a.gx0)[static_cast<size_t>(q) * N + m] = vout;
+  if (fast) {
+    if (act) incl[cbase + m] = vout;
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+  }
+}
+
+// ---------------------------------------------------------------- host side
+template <int K, typename In>
+int smem_bytes(int N, int T, int Np, bool bwd) {
+  using R = Arr<K, In>;
+  const int asize = (int)sizeof(typename R::A);
+  const int arrays = bwd ? 3 : 2;
+  const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
+  if (!bwd) Np = fwd_block(N, asize);
+  return align16(2 * bufs * Np * asize) + arrays * R::planes * align16(T * N * R::esize) +
+         align16(T * N * (int)sizeof(Idx));
+}
+
+template <int K, typename In>
+const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
+  static thread_local char msg[512];
+  constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
+  const int Np = bwd ? (a.N + 31) / 32 * 32 : fwd_block(a.N, asize);
+  const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd);
+  const int wpw = fwd_warp_buffers(a.N, asize);
+  // variants: 0 backward, 1..4 forward with 1, 2, 4, 8 per-warp buffers, 5 forward with atomics
+  const int v = bwd ? 0 : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
+  void (*kern)(ScanArgs) = v == 0 ? pd_bwd_kernel<K, In>
+                         : v == 1 ? pd_fwd_kernel<K, In, 1>
+                         : v == 2 ? pd_fwd_kernel<K, In, 2>
+                         : v == 3 ? pd_fwd_kernel<K, In, 4>
+                         : v == 4 ? pd_fwd_kernel<K, In, 8>
+                                  : pd_fwd_kernel<K, In, 0>;
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
+             cudaGetErrorString(e));
+    return msg;
+  }
+  // per device and variant: the dynamic shared-memory limit already set (static shared memory counts too)
+  static int raised[64][6] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  int& done = raised[dev & 63][v];
+  if (sm > done) {
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+    if (e != cudaSuccess) {
+      snprintf(msg, sizeof(msg), "cudaFuncSetAttribute(max dynamic smem %d B): %s", sm, cudaGetErrorString(e));
+      return msg;
+    }
+    done = sm;
+  }
+  kern<<<a.S * a.C, Np, sm, stream>>>(a);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    cudaFuncAttributes fa{};
+    cudaFuncGetAttributes(&fa, kern);
+    snprintf(msg, sizeof(msg),
+             "launch of variant %d (kind %d, bwd %d): %s; grid %d, block %d, smem %d B; kernel: %d regs, "
+             "max threads %d, max dyn smem %d B, local %zu B",
+             v, K, (int)bwd, cudaGetErrorString(e), a.S * a.C, Np, sm, fa.numRegs, fa.maxThreadsPerBlock,
+             fa.maxDynamicSharedSizeBytes, fa.localSizeBytes);
+    return msg;
+  }
+  return nullptr;
+}
+
+}  // namespace pdk
+
+// kind: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (kinds 0, 1)
+int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd) {
+  using namespace pdk;
+  const int Np = (N + 31) / 32 * 32;
+  if (kind == REAL) return bf16 ? smem_bytes<REAL, __nv_bfloat16>(N, T, Np, bwd) : smem_bytes<REAL, float>(N, T, Np, bwd);
+  if (kind == SPLIT) return bf16 ? smem_bytes<SPLIT, __nv_bfloat16>(N, T, Np, bwd) : smem_bytes<SPLIT, float>(N, T, Np, bwd);
+  return smem_bytes<CPLX, float>(N, T, Np, bwd);
+}
+
+const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  using namespace pdk;
+  if (kind == REAL) return bf16 ? launch<REAL, __nv_bfloat16>(a, bwd, stream) : launch<REAL, float>(a, bwd, stream);
+  if (kind == SPLIT) return bf16 ? launch<SPLIT, __nv_bfloat16>(a, bwd, stream) : launch<SPLIT, float>(a, bwd, stream);
+  if (kind == CPLX && !bf16) return launch<CPLX, float>(a, bwd, stream);
+  return "pd_scan: unsupported kind/dtype combination";
+}

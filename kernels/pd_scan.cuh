@@ -1,0 +1,29 @@
+// Shared between the CUDA kernels (pd_scan.cu) and the Python binding (pd_scan_bind.cpp): plain C types only.
+#pragma once
+#include <cstdint>
+
+namespace pdk {
+using Idx = int16_t;
+
+struct ScanArgs {
+  // forward: a0 = D, a1 = b, out = x.   backward: a0 = D, a1 = g (grad_x), a2 = x, out = grad_b, out2 = grad_D
+  const Idx* P;
+  const void *a0_re, *a0_im, *a1_re, *a1_im, *a2_re, *a2_im;
+  void *out_re, *out_im, *out2_re, *out2_im;
+  const void* x0;   // fp32 (float or float2 interleaved), [S, N], may be null
+  void* gx0;        // backward: fp32 grad_x0 [S, N], may be null
+  int* counter;     // [1 + 1 + S*C]: ticket counter, error flag, flags
+  int* agg_pi;      // [S*C*N]
+  void* agg_d;      // [S*C*N] A
+  void* agg_v;      // [S*C*N] A  (forward: zero-state end y; backward: zero-carry exit v)
+  void* incl;       // [S*C*N] A  inclusive state
+  long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
+  int S, L, N, T, C;
+};
+
+}  // namespace pdk
+
+// kind: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (kinds 0 and 1).
+int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd);
+// Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
+const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);

@@ -1,0 +1,114 @@
+"""Save and load only the inserted layers: `inserted.safetensors` (weights) + `inserted.json` (what to rebuild
+and which host it belongs to). Loading re-does the surgery on a fresh host, then loads the weights strictly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .host import base_model, host_signature
+from .surgery import LayerSpec, _insert, inserted_layers, inserted_specs, remove_inserted
+
+CONFIG_FILE = "inserted.json"
+WEIGHTS_FILE = "inserted.safetensors"
+FORMAT = "llm_surgery.inserted"
+FORMAT_VERSION = 1
+
+
+def save_inserted(model, directory) -> Path:
+    """Write the inserted layers of `model` to `directory` (created if needed); returns the directory."""
+    specs = inserted_specs(model)
+    if not specs:
+        raise ValueError("this model has no inserted layers to save; call insert_layers first")
+    from llm_surgery import __version__
+
+    tensors = {}
+    for idx, block in inserted_layers(model).items():
+        for name, t in block.state_dict().items():
+            if t.is_meta:
+                raise ValueError(f"inserted layer {idx} is on the meta device; materialise the model before saving")
+            tensors[f"layers.{idx}.{name}"] = t.detach().to("cpu").contiguous()
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "llm_surgery_version": __version__,
+        "host": host_signature(base_model(model)),
+        "layers": [{"kind": s.kind, "attention_position": s.attention_position, "layer_idx": s.layer_idx,
+                    "options": s.options} for s in specs],
+    }
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        text = json.dumps(config, indent=2)
+    except TypeError as exc:
+        raise ValueError(f"layer options must be JSON-serialisable to be saved: {exc}") from exc
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    (directory / CONFIG_FILE).write_text(text + "\n")
+    return directory
+
+
+def read_inserted_config(directory) -> dict:
+    """The parsed `inserted.json` of a checkpoint directory, with clear errors naming the file."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no inserted-layer checkpoint: {path} does not exist")
+    try:
+        config = json.loads(path.read_text())
+        if config.get("format") != FORMAT:
+            raise ValueError(f"'format' is {config.get('format')!r}, expected {FORMAT!r}")
+        if config.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"format_version {config.get('format_version')!r} is not {FORMAT_VERSION}")
+        layers = [LayerSpec(d["kind"], int(d["attention_position"]), int(d["layer_idx"]), dict(d["options"]))
+                  for d in config["layers"]]
+        host = dict(config["host"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"corrupt inserted-layer config {path}: {exc}") from exc
+    return {**config, "host": host, "layers": layers}
+
+
+def load_inserted(model, directory):
+    """Insert the layers saved in `directory` into a fresh `model` (same architecture, width and depth) and load
+    their weights strictly. Returns the model."""
+    directory = Path(directory)
+    config = read_inserted_config(directory)
+    host = host_signature(base_model(model))
+    saved = config["host"]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, model {host[k]!r}" for k in host if saved.get(k) != host[k]]
+    if diffs:
+        raise ValueError(f"the inserted layers in {directory} were saved from a different host ("
+                         + "; ".join(diffs) + ")")
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no inserted-layer weights: {weights} does not exist")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"cannot read inserted-layer weights {weights}: {exc}") from exc
+    _insert(model, config["layers"])
+    try:
+        _load_weights(model, tensors, weights)
+    except Exception:
+        remove_inserted(model)
+        raise
+    return model
+
+
+def _load_weights(model, tensors: dict[str, torch.Tensor], weights: Path) -> None:
+    used = set()
+    for idx, block in inserted_layers(model).items():
+        prefix = f"layers.{idx}."
+        sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        used.update(prefix + k for k in sub)
+        expected = block.state_dict()
+        missing, unexpected = sorted(set(expected) - set(sub)), sorted(set(sub) - set(expected))
+        bad_shape = [k for k in set(sub) & set(expected) if sub[k].shape != expected[k].shape]
+        if missing or unexpected or bad_shape:
+            raise ValueError(f"{weights} does not match inserted layer {idx}: missing {missing}, "
+                             f"unexpected {unexpected}, wrong shape {sorted(bad_shape)}")
+        block.load_state_dict(sub, strict=True)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{weights} holds tensors for layers not in {CONFIG_FILE}: {extra[:5]}")

@@ -1,0 +1,265 @@
+"""Insert new sequence-mixing layers in front of a hybrid host's attention blocks, without renumbering anything.
+
+How (see docs/design.md and the transformers-hybrid-internals note): the host's layer loop indexes its config by
+position, so nothing is added to `model.layers`. Instead each chosen attention decoder layer gets a child
+`pre_ssm` (an `InsertedBlock`) and a forward pre-hook that runs it on the layer's input. Host parameter names are
+unchanged; the new ones are `model.layers.{i}.pre_ssm.*` (stable, FSDP-wrappable as whole blocks). The 2-D padding
+mask, which attention layers do not receive, is captured by a pre-hook on the decoder stack. During generation
+the cache layer at index i becomes a linear+full attention layer holding both the host's KV and the block's
+(conv, recurrent) state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from transformers.cache_utils import (Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionAndStaticFullAttentionLayer, LinearAttentionCacheLayerMixin,
+                                      StaticLayer)
+
+from .block import InsertedBlock
+from .host import attention_layers, base_model, dtype_and_device, norm_eps
+
+_ATTR = "_llm_surgery"
+
+
+def _registry():
+    """The mixer registry, imported late so that this module imports without the layer packages."""
+    from llm_surgery.layers import registry
+    return registry
+
+
+@dataclass
+class LayerSpec:
+    """One inserted layer: its kind, which attention block it precedes (index into the attention blocks and
+    decoder-layer index) and the mixer's constructor options."""
+    kind: str
+    attention_position: int
+    layer_idx: int
+    options: dict
+
+
+@dataclass
+class _Surgery:
+    specs: list[LayerSpec]
+    handles: list = field(default_factory=list)
+    mask: object = None  # the decoder stack's attention_mask argument during its forward
+
+
+# ----------------------------------------------------------------------------------------------------- checks
+def _default_positions(n: int, n_attention: int) -> list[int]:
+    """n attention blocks spread evenly over depth (the centre of each of n equal segments). n = all gives every
+    block, as in the paper; fewer stay spread out like the host's own attention layers."""
+    return [(2 * j + 1) * n_attention // (2 * n) for j in range(n)]
+
+
+def _resolve(base, kind, n, positions, layer_options) -> list[LayerSpec]:
+    reg = _registry()
+    attn = attention_layers(base)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    if not 1 <= n <= len(attn):
+        raise ValueError(f"n={n}: this host has {len(attn)} attention blocks (decoder layers {attn}); "
+                         f"n must be between 1 and {len(attn)}")
+    if not isinstance(kind, (str, list, tuple)):
+        raise TypeError(f"kind must be a str or a list of str, got {type(kind).__name__}")
+    kinds = [kind] * n if isinstance(kind, str) else list(kind)
+    if len(kinds) != n:
+        raise ValueError(f"got {len(kinds)} kinds for n={n}; pass one kind or a list of exactly n kinds")
+    for k in kinds:
+        if k not in reg.MIXER_KINDS:
+            raise ValueError(f"unknown layer kind {k!r}; allowed: {', '.join(reg.MIXER_KINDS)}")
+    if positions is None:
+        positions = _default_positions(n, len(attn))
+    else:
+        positions = list(positions)
+        if len(positions) != n:
+            raise ValueError(f"positions has {len(positions)} entries but n={n}; give exactly n positions")
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(attn):
+                raise ValueError(f"bad position {p!r}: positions index the {len(attn)} attention blocks "
+                                 f"(decoder layers {attn}), so each must be an int in 0..{len(attn) - 1}")
+        if len(set(positions)) != n:
+            raise ValueError(f"duplicate positions {positions}: each attention block takes at most one layer")
+    hidden = int(base.config.hidden_size)
+    specs = []
+    for k, p in zip(kinds, positions):
+        opts = dict(reg.default_options(k, hidden))
+        opts.update(layer_options)
+        specs.append(LayerSpec(k, p, attn[p], opts))
+    return sorted(specs, key=lambda s: s.layer_idx)
+
+
+def _surgery(model) -> _Surgery | None:
+    return getattr(base_model(model), _ATTR, None)
+
+
+# ------------------------------------------------------------------------------------------------------- hooks
+def _recurrent_mask(mask, seq_len: int):
+    """The [B, seq_len] padding mask for the inserted mixers (None on one-token decode or without a 2-D mask),
+    as transformers' `create_recurrent_attention_mask` gives the host's own Mamba layers."""
+    if isinstance(mask, dict):  # generate() with a compilable cache precomputes the masks
+        mask = mask.get("linear_attention")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or seq_len == 1:
+        return None
+    return mask[:, -seq_len:]
+
+
+def _prepare_cache(cache, idx: int) -> None:
+    """Make cache layer `idx` able to hold the inserted block's state next to the attention KV."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"past_key_values must be a transformers Cache, got {type(cache).__name__}")
+    layers = cache.layers
+    if len(layers) <= idx and cache.layer_class_to_replicate is not None:
+        while len(layers) <= idx:
+            layers.append(cache.layer_class_to_replicate())
+    layer = layers[idx]
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return
+    if type(layer) is DynamicLayer:
+        new = LinearAttentionAndFullAttentionLayer()
+    elif type(layer) is StaticLayer:
+        new = LinearAttentionAndStaticFullAttentionLayer(layer.max_cache_len)
+    else:
+        raise ValueError(f"cache layer {idx} is a {type(layer).__name__}; inserted layers work with DynamicCache "
+                         "(the default) and StaticCache")
+    if layer.is_initialized:
+        raise ValueError(f"cache layer {idx} already holds attention keys/values written without the inserted "
+                         "layer's state; start generation from an empty cache (or none)")
+    layers[idx] = new
+
+
+def _layer_pre_hook(surgery: _Surgery, layer, args, kwargs):
+    block = layer.pre_ssm
+    hidden = args[0] if args else kwargs["hidden_states"]
+    cache = kwargs.get("past_key_values")
+    if cache is not None:
+        _prepare_cache(cache, block.layer_idx)
+    out = block(hidden, attention_mask=_recurrent_mask(surgery.mask, hidden.shape[1]), past_key_values=cache)
+    if args:
+        return (out, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": out}
+
+
+def _capture_mask(surgery: _Surgery, mask_arg: int, module, args, kwargs):
+    if "attention_mask" in kwargs:
+        surgery.mask = kwargs["attention_mask"]
+    else:
+        surgery.mask = args[mask_arg] if len(args) > mask_arg else None
+
+
+def _release_mask(surgery: _Surgery, module, args, kwargs, output):
+    surgery.mask = None
+
+
+# ------------------------------------------------------------------------------------------------------ surgery
+def _build_block(spec: LayerSpec, hidden: int, eps: float, dtype, device) -> InsertedBlock:
+    with torch.device(device):
+        mixer = _registry().build_mixer(spec.kind, hidden, **spec.options)
+        block = InsertedBlock(spec.kind, hidden, spec.layer_idx, mixer, eps)
+    # Real floating tensors take the host dtype; complex ones (PD-SSM) keep theirs.
+    block._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    if getattr(mixer, "out_proj", None) is None:
+        raise TypeError(f"{type(mixer).__name__} has no out_proj; every mixer kind must have one")
+    with torch.no_grad():  # zero output projection: the host's function is unchanged at insertion
+        mixer.out_proj.weight.zero_()
+        if getattr(mixer.out_proj, "bias", None) is not None:
+            mixer.out_proj.bias.zero_()
+    return block
+
+
+def _insert(model, specs: list[LayerSpec]):
+    base = base_model(model)
+    existing = getattr(base, _ATTR, None)
+    if existing is not None:
+        raise ValueError(f"this model already has {len(existing.specs)} inserted layers (before decoder layers "
+                         f"{[s.layer_idx for s in existing.specs]}); insert into a fresh host, or call "
+                         "remove_inserted(model) first")
+    hidden, eps = int(base.config.hidden_size), norm_eps(base)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    surgery = _Surgery(specs)
+    for spec in specs:
+        layer = base.layers[spec.layer_idx]
+        block = _build_block(spec, hidden, eps, *dtype_and_device(layer))
+        if getattr(layer, "gradient_checkpointing", False):  # checkpointing was enabled before the surgery
+            block.gradient_checkpointing = True
+            block._gradient_checkpointing_func = layer._gradient_checkpointing_func
+        block.train(layer.training)
+        layer.pre_ssm = block
+        surgery.handles.append(layer.register_forward_pre_hook(partial(_layer_pre_hook, surgery), with_kwargs=True))
+    mask_arg = list(inspect.signature(base.forward).parameters).index("attention_mask")
+    surgery.handles.append(base.register_forward_pre_hook(partial(_capture_mask, surgery, mask_arg),
+                                                          with_kwargs=True))
+    surgery.handles.append(base.register_forward_hook(partial(_release_mask, surgery), with_kwargs=True,
+                                                      always_call=True))
+    setattr(base, _ATTR, surgery)
+    for m in {model, base}:  # FSDP auto-wrap / device_map treat each inserted block as one unit
+        names = list(getattr(m, "_no_split_modules", None) or [])
+        if InsertedBlock.__name__ not in names:
+            m._no_split_modules = names + [InsertedBlock.__name__]
+    return model
+
+
+def insert_layers(model, kind, n: int, positions=None, **layer_options):
+    """Insert one new layer directly before each of `n` attention blocks of a frozen Granite 4.0 / Nemotron-H host.
+
+    kind: "pdssm", "mamba2" or "deltanet", or a list of n kinds (paired with `positions` in order).
+    positions: indices into the host's attention blocks (0 = first attention block). Default: n blocks spread
+        evenly over depth; n = number of attention blocks gives one layer before every attention block (the paper).
+    layer_options: mixer constructor options, on top of `default_options(kind, hidden_size)`; with mixed kinds
+        they go to every kind.
+    The whole host is frozen; only the inserted layers train. Each is `x + mixer(RMSNorm(x))` with `out_proj` at
+    zero, so the model computes exactly what the host did. Returns the same model, modified in place.
+    """
+    specs = _resolve(base_model(model), kind, n, positions, layer_options)
+    return _insert(model, specs)
+
+
+def remove_inserted(model):
+    """Undo the surgery (hooks and blocks removed; the host stays frozen). Returns the model."""
+    base = base_model(model)
+    surgery = getattr(base, _ATTR, None)
+    if surgery is None:
+        raise ValueError("this model has no inserted layers")
+    for h in surgery.handles:
+        h.remove()
+    for spec in surgery.specs:
+        del base.layers[spec.layer_idx].pre_ssm
+    delattr(base, _ATTR)
+    return model
+
+
+def inserted_specs(model) -> list[LayerSpec]:
+    surgery = _surgery(model)
+    return [] if surgery is None else list(surgery.specs)
+
+
+def inserted_layers(model) -> dict[int, InsertedBlock]:
+    """{decoder layer index: inserted block} (empty if nothing was inserted)."""
+    base = base_model(model)
+    return {s.layer_idx: base.layers[s.layer_idx].pre_ssm for s in inserted_specs(model)}
+
+
+def set_tau(model, tau: float) -> int:
+    """Set the straight-through softmax temperature of every inserted PD-SSM mixer; returns how many were set."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(f"tau must be a positive finite number, got {tau!r}")
+    count = 0
+    for block in inserted_layers(model).values():
+        if block.kind == "pdssm":
+            if not hasattr(block.mixer, "tau"):
+                raise TypeError(f"{type(block.mixer).__name__} has no tau attribute")
+            block.mixer.tau = float(tau)
+            count += 1
+    return count
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(parameters in inserted layers, all parameters of the model), shared tensors counted once."""
+    inserted = sum(p.numel() for b in inserted_layers(model).values() for p in b.parameters())
+    return inserted, sum(p.numel() for p in model.parameters())

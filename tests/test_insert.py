@@ -1,0 +1,457 @@
+"""Surgery on tiny Granite 4.0 and Nemotron-H hosts (real transformers classes, saved with save_pretrained and
+reloaded with from_pretrained like a user's checkpoint), for every mixer kind."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+from llm_surgery.hosts import build_tiny_host
+from llm_surgery.insert import (InsertedBlock, count_parameters, insert_layers, inserted_layers, inserted_specs,
+                                load_inserted, remove_inserted, save_inserted, set_tau)
+from llm_surgery.layers.registry import MIXER_KINDS
+
+ARCHS = ("granite", "nemotron")
+CASES = [(a, k) for a in ARCHS for k in MIXER_KINDS]
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)  # the inserted mixers' initial weights come from the global generator
+
+
+@pytest.fixture(scope="module")
+def host_dirs(tmp_path_factory):
+    """Each tiny host saved once with save_pretrained (what a user's local checkpoint looks like)."""
+    dirs = {}
+    for arch in ARCHS:
+        d = tmp_path_factory.mktemp(f"host-{arch}")
+        build_tiny_host(arch, seed=1).save_pretrained(d)
+        dirs[arch] = d
+    return dirs
+
+
+def load_host(host_dirs, arch, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(host_dirs[arch], dtype=dtype).eval()
+
+
+def perturb(model, seed=0, std=0.2):
+    """Give the zero-initialised out_proj weights random values so that inserted layers change the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in inserted_layers(model).values():
+            w = block.mixer.out_proj.weight
+            w.copy_(torch.randn(w.shape, generator=g) * std)
+
+
+def ids(batch=2, length=10, seed=0):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def n_attention(model):
+    return sum(t == "full_attention" for t in model.config.layers_block_type)
+
+
+# ------------------------------------------------------------------------------------------- insertion itself
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_insert_is_identity_and_freezes_host(host_dirs, arch, kind):
+    model = load_host(host_dirs, arch)
+    host_keys = set(model.state_dict())
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    assert insert_layers(model, kind, n_attention(model)) is model
+    with torch.no_grad():
+        out = model(x).logits
+    assert torch.equal(out, ref)  # out_proj starts at zero: exactly the host's function
+
+    blocks = inserted_layers(model)
+    attn = [i for i, t in enumerate(model.config.layers_block_type) if t == "full_attention"]
+    assert sorted(blocks) == attn
+    assert all(isinstance(b, InsertedBlock) and b.kind == kind for b in blocks.values())
+    assert all(torch.count_nonzero(b.mixer.out_proj.weight) == 0 for b in blocks.values())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".pre_ssm." in n for n in trainable)
+    assert trainable == {n for n, _ in model.named_parameters() if ".pre_ssm." in n}
+    assert host_keys <= set(model.state_dict())  # host parameter names unchanged
+    assert all(k.startswith(tuple(f"model.layers.{i}.pre_ssm." for i in attn))
+               for k in set(model.state_dict()) - host_keys)
+    n_ins, n_total = count_parameters(model)
+    assert n_ins == sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+    assert n_total == sum(p.numel() for p in model.parameters()) and n_ins < n_total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_positions_default_spread_and_explicit(arch):
+    model = build_tiny_host(arch, pattern="M*M*M*M*" if arch == "granite" else "M*M-M*E*M*")
+    attn = [i for i, t in enumerate(model.config.layers_block_type) if t == "full_attention"]
+    assert len(attn) == 4
+    insert_layers(model, "mamba2", 2)
+    assert [s.attention_position for s in inserted_specs(model)] == [1, 3]
+    remove_inserted(model)
+    insert_layers(model, "mamba2", 1)
+    assert [s.layer_idx for s in inserted_specs(model)] == [attn[2]]
+    remove_inserted(model)
+    insert_layers(model, ["pdssm", "deltanet", "mamba2"], 3, positions=[3, 0, 2])
+    assert [(s.kind, s.attention_position, s.layer_idx) for s in inserted_specs(model)] == [
+        ("deltanet", 0, attn[0]), ("mamba2", 2, attn[2]), ("pdssm", 3, attn[3])]
+
+
+def test_base_model_and_options(host_dirs):
+    model = load_host(host_dirs, "granite").model  # GraniteMoeHybridModel, not the CausalLM
+    insert_layers(model, "mamba2", 1, positions=[0], state_size=32)
+    (block,) = inserted_layers(model).values()
+    assert block.mixer.state_size == 32
+    assert inserted_specs(model)[0].options["state_size"] == 32
+    perturb(model)
+    x, mask = ids(), (torch.arange(10) >= torch.tensor([[0], [4]])).long()
+    with torch.no_grad():
+        by_name = model(input_ids=x, attention_mask=mask).last_hidden_state
+        positional = model(x, mask).last_hidden_state  # the padding mask is found in either form
+        no_mask = model(x).last_hidden_state
+    assert by_name.shape == (2, 10, 64)
+    assert torch.equal(by_name, positional)
+    assert torch.equal(by_name[0], no_mask[0]) and not torch.allclose(by_name[1, 4:], no_mask[1, 4:])
+
+
+# ------------------------------------------------------------------------------------------------- training
+def _grads(model, x, checkpointing):
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.zero_grad(set_to_none=True)
+    loss = model(x, labels=x, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_training_backward_with_and_without_checkpointing(host_dirs, arch, kind):
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, n_attention(model))
+    x = ids(seed=3)
+    # At insertion only out_proj gets a gradient (everything before it is multiplied by zero).
+    _, g0 = _grads(model, x, checkpointing=False)
+    nonzero = {n for n, g in g0.items() if g.abs().sum() > 0}
+    assert nonzero == {n for n, p in model.named_parameters() if p.requires_grad and "out_proj" in n}
+    perturb(model)
+    loss, g1 = _grads(model, x, checkpointing=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(g1) == trainable  # gradients reach every inserted parameter and nothing else
+    loss_ckpt, g2 = _grads(model, x, checkpointing=True)
+    assert all(b.gradient_checkpointing for b in inserted_layers(model).values())
+    assert torch.allclose(loss, loss_ckpt)
+    assert set(g2) == trainable
+    for n in trainable:
+        assert torch.allclose(g1[n], g2[n], rtol=1e-4, atol=1e-6), n
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    model(x, labels=x, use_cache=False).loss.backward()
+    opt.step()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) != (n in trainable) for n in before)
+
+
+def test_checkpointing_enabled_before_insertion(host_dirs):
+    model = load_host(host_dirs, "nemotron")
+    model.gradient_checkpointing_enable()
+    insert_layers(model, "mamba2", 2)
+    perturb(model)
+    model.train()
+    model(ids(), labels=ids(), use_cache=False).loss.backward()
+    blocks = inserted_layers(model).values()
+    assert all(b.gradient_checkpointing for b in blocks)
+    assert all(p.grad is not None for b in blocks for p in b.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_cached_decode_matches_full_forward(host_dirs, arch, kind):
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, n_attention(model))
+    perturb(model)
+    x = ids(batch=2, length=9, seed=5)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        step = model(x[:, :6], past_key_values=cache, use_cache=True)
+        pieces = [step.logits]
+        for t in range(6, 9):
+            step = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+            pieces.append(step.logits)
+    for i in inserted_layers(model):
+        assert isinstance(cache.layers[i], LinearAttentionAndFullAttentionLayer)
+        assert cache.layers[i].has_previous_state[0]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
+    # The inserted layers really act: without them the logits differ.
+    remove_inserted(model)
+    with torch.no_grad():
+        assert not torch.allclose(model(x, use_cache=False).logits, full, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_generate_cached_equals_uncached_and_left_padding(host_dirs, arch, kind):
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, n_attention(model))
+    perturb(model, std=0.5)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # no early EOS
+    long, short = ids(1, 9, seed=7), ids(1, 6, seed=8)
+    cached = model.generate(long, **kw)
+    uncached = model.generate(long, use_cache=False, **kw)
+    assert torch.equal(cached, uncached)
+    single_short = model.generate(short, **kw)
+    # pad with a real token (id 0 embeds to zeros in Granite, which would hide a missing mask)
+    batch = torch.cat([long, torch.cat([torch.full((1, 3), 5), short], 1)])
+    mask = (torch.arange(9) >= torch.tensor([[0], [3]])).long()
+    with torch.no_grad():  # padding must not reach the inserted layers' state
+        padded = model(batch, attention_mask=mask, use_cache=False).logits[1, 3:]
+        torch.testing.assert_close(padded, model(short, use_cache=False).logits[0], rtol=1e-4, atol=1e-4)
+    both = model.generate(batch, attention_mask=mask, **kw)
+    assert torch.equal(both[0], cached[0])
+    assert torch.equal(both[1, 3:], single_short[0])
+
+
+@pytest.mark.parametrize("arch,kind", [("granite", "pdssm"), ("nemotron", "deltanet")])
+def test_generate_with_static_cache(host_dirs, arch, kind):
+    from transformers.cache_utils import LinearAttentionAndStaticFullAttentionLayer
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, n_attention(model))
+    perturb(model, std=0.5)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    x = ids(1, 9, seed=2)
+    out = model.generate(x, cache_implementation="static", return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, model.generate(x, use_cache=False, **kw))
+    assert all(isinstance(out.past_key_values.layers[i], LinearAttentionAndStaticFullAttentionLayer)
+               for i in inserted_layers(model))
+
+
+# ------------------------------------------------------------------------------------------------ save/load
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_save_load_roundtrip(host_dirs, tmp_path, arch, kind):
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, 2, positions=[1, 0])
+    perturb(model, seed=4)
+    with torch.no_grad():
+        ref = model(ids()).logits
+    save_inserted(model, tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "inserted.json").read_text())
+    assert meta["host"]["model_type"] == model.config.model_type and meta["host"]["hidden_size"] == 64
+    assert [(d["kind"], d["attention_position"]) for d in meta["layers"]] == [(kind, 0), (kind, 1)]
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "ckpt" / "inserted.safetensors")
+    assert sum(t.numel() for t in saved.values()) == count_parameters(model)[0]
+
+    fresh = load_host(host_dirs, arch)
+    load_inserted(fresh, tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(fresh(ids()).logits, ref)
+    assert [s.layer_idx for s in inserted_specs(fresh)] == [s.layer_idx for s in inserted_specs(model)]
+    assert all(p.requires_grad == (".pre_ssm." in n) for n, p in fresh.named_parameters())
+
+
+def test_mixed_kinds_roundtrip_into_bf16_host(host_dirs, tmp_path):
+    model = load_host(host_dirs, "nemotron")
+    insert_layers(model, ["pdssm", "mamba2"], 2)
+    perturb(model)
+    save_inserted(model, tmp_path)
+    fresh = load_host(host_dirs, "nemotron", dtype=torch.bfloat16)
+    load_inserted(fresh, tmp_path)
+    assert [b.kind for b in inserted_layers(fresh).values()] == ["pdssm", "mamba2"]
+    for b in inserted_layers(fresh).values():
+        assert all(p.dtype in (torch.bfloat16, torch.complex64) for p in b.parameters())
+        torch.testing.assert_close(b.mixer.out_proj.weight.float(),
+                                   inserted_layers(model)[b.layer_idx].mixer.out_proj.weight, rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_host(host_dirs, arch):
+    model = load_host(host_dirs, arch, dtype=torch.bfloat16)
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    insert_layers(model, ["pdssm", "deltanet"] if arch == "granite" else ["mamba2", "pdssm"], 2)
+    for b in inserted_layers(model).values():
+        assert b.norm.weight.dtype == torch.bfloat16
+        assert all(p.dtype in (torch.bfloat16, torch.complex64) for p in b.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref)
+    perturb(model)
+    model.train()
+    model(x, labels=x, use_cache=False).loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all()
+               for b in inserted_layers(model).values() for p in b.parameters() if not p.is_complex())
+    model.eval()
+    out = model.generate(ids(1, 6), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 9)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def test_set_tau_and_count(host_dirs):
+    model = load_host(host_dirs, "granite")
+    insert_layers(model, ["pdssm", "mamba2"], 2)
+    assert set_tau(model, 0.25) == 1
+    kinds = {b.kind: b for b in inserted_layers(model).values()}
+    assert kinds["pdssm"].mixer.tau == 0.25
+    with pytest.raises(ValueError, match="tau"):
+        set_tau(model, 0.0)
+    n_ins, n_total = count_parameters(model)
+    assert n_ins == sum(p.numel() for b in kinds.values() for p in b.parameters())
+
+
+# ------------------------------------------------------------------------------------------------- errors
+def test_errors_on_bad_arguments(host_dirs):
+    model = load_host(host_dirs, "granite")  # 2 attention blocks
+    with pytest.raises(ValueError, match="unknown layer kind 'lstm'.*pdssm"):
+        insert_layers(model, "lstm", 1)
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        insert_layers(model, "mamba2", 3)
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        insert_layers(model, "mamba2", 0)
+    with pytest.raises(ValueError, match="0..1"):
+        insert_layers(model, "mamba2", 1, positions=[2])
+    with pytest.raises(ValueError, match="0..1"):
+        insert_layers(model, "mamba2", 1, positions=[-1])
+    with pytest.raises(ValueError, match="duplicate"):
+        insert_layers(model, "mamba2", 2, positions=[1, 1])
+    with pytest.raises(ValueError, match="exactly n positions"):
+        insert_layers(model, "mamba2", 2, positions=[1])
+    with pytest.raises(ValueError, match="exactly n kinds"):
+        insert_layers(model, ["mamba2"], 2)
+    assert not inserted_layers(model) and all(p.requires_grad for p in model.parameters())  # untouched
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="unsupported architecture LlamaForCausalLM.*Granite.*Nemotron"):
+        insert_layers(llama, "mamba2", 1)
+    with pytest.raises(TypeError, match="transformers model"):
+        insert_layers(torch.nn.Linear(2, 2), "mamba2", 1)
+    insert_layers(model, "mamba2", 1)
+    with pytest.raises(ValueError, match="already has 1 inserted"):
+        insert_layers(model, "deltanet", 1)
+
+
+def test_checkpoint_errors(host_dirs, tmp_path):
+    with pytest.raises(ValueError, match="no inserted layers"):
+        save_inserted(load_host(host_dirs, "granite"), tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="inserted.json"):
+        load_inserted(load_host(host_dirs, "granite"), tmp_path / "missing")
+
+    model = load_host(host_dirs, "granite")
+    insert_layers(model, "deltanet", 2)
+    ckpt = save_inserted(model, tmp_path / "ok")
+
+    with pytest.raises(ValueError, match="different host.*model_type"):
+        load_inserted(load_host(host_dirs, "nemotron"), ckpt)
+    with pytest.raises(ValueError, match="different host.*hidden_size: checkpoint 64, model 96"):
+        load_inserted(build_tiny_host("granite", hidden_size=96), ckpt)
+    with pytest.raises(ValueError, match="different host.*num_hidden_layers"):
+        load_inserted(build_tiny_host("granite", pattern="M*M*M"), ckpt)
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "inserted.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt.*inserted.json"):
+        load_inserted(load_host(host_dirs, "granite"), bad)
+    (bad / "inserted.json").write_text((ckpt / "inserted.json").read_text())
+    with pytest.raises(FileNotFoundError, match="inserted.safetensors"):
+        load_inserted(load_host(host_dirs, "granite"), bad)
+    (bad / "inserted.safetensors").write_bytes((ckpt / "inserted.safetensors").read_bytes()[:100])
+    fresh = load_host(host_dirs, "granite")
+    with pytest.raises(ValueError, match="cannot read.*inserted.safetensors"):
+        load_inserted(fresh, bad)
+    assert not inserted_layers(fresh)
+
+    # Weights that do not fit the recorded layers: strict, and the host is left as it was.
+    meta = json.loads((ckpt / "inserted.json").read_text())
+    meta["layers"][0]["kind"] = "mamba2"
+    meta["layers"][0]["options"] = {}
+    (bad / "inserted.json").write_text(json.dumps(meta))
+    (bad / "inserted.safetensors").write_bytes((ckpt / "inserted.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="inserted.safetensors does not match inserted layer"):
+        load_inserted(fresh, bad)
+    assert not inserted_layers(fresh) and not any(".pre_ssm." in n for n, _ in fresh.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------ Accelerate (DDP)
+DDP_SCRIPT = r'''
+import sys, torch
+from accelerate import Accelerator
+from llm_surgery.hosts import build_tiny_host
+from llm_surgery.insert import insert_layers, inserted_layers, load_inserted, save_inserted
+
+acc = Accelerator(cpu=True)
+assert acc.num_processes == 2 and acc.distributed_type.name == "MULTI_CPU", acc.distributed_type
+for arch in ("granite", "nemotron"):
+    torch.manual_seed(0)
+    model = build_tiny_host(arch, seed=1)
+    insert_layers(model, ["pdssm", "deltanet"] if arch == "granite" else ["mamba2", "pdssm"], 2)
+    names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    assert type(model).__name__ == "DistributedDataParallel"
+    model.train()
+    g = torch.Generator().manual_seed(100 + acc.process_index)  # different data on each rank
+    for _ in range(2):
+        x = torch.randint(3, 128, (2, 12), generator=g)
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    inner = acc.unwrap_model(model)
+    assert sorted(n for n, p in inner.named_parameters() if p.requires_grad) == names  # stable names
+    flat = torch.cat([p.detach().flatten().real for n, p in inner.named_parameters() if p.requires_grad])
+    both = acc.gather(flat[None])
+    assert torch.equal(both[0], both[1]), "ranks diverged"
+    assert any(b.mixer.out_proj.weight.abs().sum() > 0 for b in inserted_layers(inner).values())
+    if acc.is_main_process:
+        save_inserted(inner, sys.argv[1] + arch)
+    acc.wait_for_everyone()
+    fresh = load_inserted(build_tiny_host(arch, seed=1), sys.argv[1] + arch)
+    for i, b in inserted_layers(fresh).items():
+        for (n, p), q in zip(b.named_parameters(), inserted_layers(inner)[i].parameters()):
+            assert torch.equal(p, q), n
+print("DDP-OK", acc.process_index)
+'''
+
+
+@pytest.mark.slow
+def test_accelerate_ddp_two_processes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "ddp_insert.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(29500 + (os.getpid() % 1000)), str(script), str(tmp_path / "ckpt")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("DDP-OK") == 2
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_cuda_matches_cpu_and_generates(host_dirs, arch, kind):
+    model = load_host(host_dirs, arch)
+    insert_layers(model, kind, n_attention(model))
+    perturb(model)
+    x = ids(2, 12)
+    with torch.no_grad():
+        ref = model(x, use_cache=False).logits
+        model.cuda()
+        assert all(p.is_cuda for b in inserted_layers(model).values() for p in b.parameters())
+        out = model(x.cuda(), use_cache=False).logits.cpu()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(x[:1].cuda(), **kw), model.generate(x[:1].cuda(), use_cache=False, **kw))
+    model.train()
+    model(x.cuda(), labels=x.cuda(), use_cache=False).loss.backward()
+    assert all(p.grad is not None for b in inserted_layers(model).values() for p in b.parameters())
