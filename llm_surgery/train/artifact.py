@@ -1,0 +1,64 @@
+"""The final artifact of a run: a `save_inserted` directory (inserted layers + inserted.json), plus the LoRA
+adapter weights when LoRA was on (`lora.safetensors` + `lora.json`), and the way back (`load_trained`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LORA_WEIGHTS, LORA_CONFIG = "lora.safetensors", "lora.json"
+
+
+def save_final(accelerator, model, final_dir: Path, cfg) -> None:
+    """Collective. Rank 0 writes. Under FSDP2 every wrapped unit is unsharded first (so rank 0 holds full
+    tensors), then resharded."""
+    from accelerate.utils import DistributedType
+
+    from llm_surgery.insert import save_inserted
+
+    inner = accelerator.unwrap_model(model)
+    units = []
+    if accelerator.distributed_type == DistributedType.FSDP:
+        units = [m for m in inner.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
+        for m in units:
+            m.unshard()
+    try:
+        if accelerator.is_main_process:
+            save_inserted(inner, final_dir)
+            if cfg.lora_r:
+                lora = {k: v.detach().cpu().contiguous() for k, v in inner.state_dict().items() if "lora_" in k}
+                save_file(lora, str(Path(final_dir) / LORA_WEIGHTS))
+                (Path(final_dir) / LORA_CONFIG).write_text(json.dumps(
+                    {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                     "targets": cfg.lora_targets}, indent=2))
+    finally:
+        for m in units:
+            m.reshard()
+    accelerator.wait_for_everyone()
+
+
+def load_trained(model, final_dir: str | Path):
+    """Put a run's trained layers (and LoRA adapters, if saved) into a fresh host; returns the model."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from llm_surgery.insert import load_inserted
+
+    final_dir = Path(final_dir)
+    load_inserted(model, final_dir)
+    if (final_dir / LORA_CONFIG).is_file():
+        spec = json.loads((final_dir / LORA_CONFIG).read_text())
+        targets = [t.strip() for t in spec["targets"].split(",") if t.strip()]
+        inject_adapter_in_model(LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
+                                           target_modules=targets), model)
+        weights = load_file(str(final_dir / LORA_WEIGHTS))
+        missing = set(weights) - set(model.state_dict())
+        if missing:
+            raise ValueError(f"{final_dir / LORA_WEIGHTS} has tensors this host lacks: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            model.load_state_dict(weights, strict=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

@@ -1,0 +1,191 @@
+"""The trainer's typed config: one dataclass, and a command line generated from its fields so that every
+setting is overridable (`--kind mamba2 --n 2 --lr 3e-4 ...`) and recipes only change defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+KINDS = ("pdssm", "mamba2", "deltanet")
+SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run. `None` model means the embedded tiny host (built, pretrained on Box and cached)."""
+
+    # host and surgery
+    model: str | None = field(default=None, metadata={"help": "local checkpoint dir or hub id (hub only when "
+                                                               "you pass one); default: embedded tiny host"})
+    random_init_config: str | None = field(default=None, metadata={
+        "help": "build a random-weight host of this named real configuration (throughput runs; takes "
+                "precedence over --model)"})
+    kind: str = field(default="pdssm", metadata={"help": f"inserted mixer: {', '.join(KINDS)}"})
+    n: int = field(default=4, metadata={"help": "number of inserted layers"})
+    positions: list[int] | None = field(default=None, metadata={"help": "attention layer indices to insert before"})
+    mixer_options: str = field(default="{}", metadata={"help": "JSON dict of mixer constructor options"})
+    tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau)"})
+    host_dtype: str = field(default="auto", metadata={"help": f"frozen host dtype: {', '.join(HOST_DTYPES)}"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank on the host attention projections (0 = off)"})
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    gradient_checkpointing: bool = False
+
+    # embedded tiny host
+    tiny_host: str = field(default="granite", metadata={"help": "architecture of the embedded host: granite or "
+                                                                "nemotron"})
+    pretrain_steps: int = field(default=150, metadata={"help": "steps of full pretraining of the embedded host "
+                                                               "on Box IID data (cached by config hash)"})
+    pretrain_lr: float = 3e-3
+    cache_dir: str = "~/.cache/llm_surgery"
+
+    # data
+    num_sequences: int = field(default=200, metadata={"help": "Box sequences over train/validation/test"})
+    train_max_ops: int = 6
+    test_max_ops: int = 26
+    data_seed: int = 2255
+    max_eval_examples: int | None = field(default=1000, metadata={"help": "cap per evaluated split (None = all)"})
+
+    # optimisation
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    schedule: str = field(default="constant", metadata={"help": f"{', '.join(SCHEDULES)} (after linear warm-up)"})
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
+    batch_size: int = field(default=8, metadata={"help": "per-process micro-batch"})
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int | None = field(default=150, metadata={"help": "optimizer steps (None = run --epochs)"})
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    # systems
+    mixed_precision: str = field(default="auto", metadata={"help": f"{', '.join(PRECISIONS)}; auto = bf16 on "
+                                                                   "CUDA, no on CPU"})
+    fsdp: bool = field(default=False, metadata={"help": "shard host and inserted layers with FSDP2"})
+    cpu: bool = False
+
+    # evaluation, logging, checkpoints
+    output_dir: str = "runs/latest"
+    eval_batch_size: int = 32
+    eval_mode: str = field(default="teacher_forced", metadata={
+        "help": "teacher_forced (one forward per batch; exact match = what greedy decoding would give) or "
+                "generate (greedy_complete + the Box scorer; not with --fsdp)"})
+    eval_every: int = field(default=0, metadata={"help": "validation every K steps (0 = only at the end)"})
+    log_every: int = 10
+    save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
+    keep_last: int = 2
+    resume: str | None = field(default=None, metadata={"help": "checkpoint dir or 'latest'"})
+    progress: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError on impossible settings before any work starts."""
+        def choice(name, allowed):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        choice("kind", KINDS)
+        choice("schedule", SCHEDULES)
+        choice("mixed_precision", PRECISIONS)
+        choice("host_dtype", HOST_DTYPES)
+        choice("tiny_host", ("granite", "nemotron"))
+        choice("eval_mode", ("teacher_forced", "generate"))
+        if self.fsdp and self.eval_mode == "generate":
+            raise ValueError("eval_mode 'generate' runs the unwrapped model on each rank, which FSDP shards; "
+                             "use eval_mode 'teacher_forced' with --fsdp")
+        for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lora_r", "eval_every", "save_every", "pretrain_steps", "num_sequences"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.positions is not None and len(self.positions) != self.n:
+            raise ValueError(f"positions {self.positions} must list n={self.n} layer indices")
+        self.mixer_kwargs()
+
+    def mixer_kwargs(self) -> dict:
+        try:
+            opts = json.loads(self.mixer_options)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"mixer_options must be a JSON object, got {self.mixer_options!r}: {e}") from None
+        if not isinstance(opts, dict):
+            raise ValueError(f"mixer_options must be a JSON object, got {self.mixer_options!r}")
+        return opts
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _unwrap_optional(tp):
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _none_or(conv):
+    def parse(text: str):
+        return None if text.lower() == "none" else conv(text)
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def build_parser(defaults: dict | None = None, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one `--flag-name` per TrainConfig field (defaults may be overridden by a recipe)."""
+    defaults = dict(defaults or {})
+    hints = typing.get_type_hints(TrainConfig)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(defaults) - names
+    if unknown:
+        raise ValueError(f"unknown TrainConfig fields in defaults: {sorted(unknown)}")
+    parser = argparse.ArgumentParser(prog=prog, description="Train inserted sequence mixers in a frozen host "
+                                     "(llm-surgery). Every option has a default; none is required.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        tp, optional = _unwrap_optional(hints[f.name])
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(dest=f.name, default=default, help=f.metadata.get("help", " "))
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            parser.add_argument(flag, nargs="+", type=item, metavar=item.__name__.upper(), **kw)
+        else:
+            conv = _none_or(tp) if optional else tp
+            parser.add_argument(flag, type=conv, metavar=tp.__name__.upper(), **kw)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> TrainConfig:
+    """Command line -> validated TrainConfig. Bad values exit with argparse's usage message."""
+    parser = build_parser(defaults, prog)
+    ns = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))

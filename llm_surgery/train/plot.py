@@ -1,0 +1,72 @@
+"""Accuracy against the number of transitions (Box operations in the context), one line per run.
+
+    python -m llm_surgery.train.plot runs/pdssm runs/mamba2 -o compare.png
+
+Each argument is a run directory (holding results.json) or a results JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load_results(path: str | Path) -> dict:
+    path = Path(path)
+    file = path / "results.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no results file at {file} (pass a run directory or a results JSON file)")
+    results = json.loads(file.read_text())
+    if "test" not in results or "by_num_ops" not in results["test"]:
+        raise ValueError(f"{file} is not a trainer results file (no test.by_num_ops)")
+    results.setdefault("label", f"{results.get('kind', '?')} ({path.name if path.is_dir() else path.stem})")
+    return results
+
+
+def plot_accuracy(runs: list[dict], out: str | Path, title: str | None = None) -> Path:
+    """Write a PNG with one accuracy-vs-transitions line per results dict; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not runs:
+        raise ValueError("plot_accuracy needs at least one run")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train_max = None
+    for res in runs:
+        by = res["test"]["by_num_ops"]
+        xs = sorted(int(k) for k in by)
+        ys = [100 * (by[str(x)] if str(x) in by else by[x])["accuracy"] for x in xs]
+        ax.plot(xs, ys, marker="o", markersize=3, label=res.get("label", res.get("kind", "?")))
+        train_max = res["test"].get("train_max_ops", train_max)
+    if train_max is not None:
+        ax.axvline(train_max + 0.5, color="gray", linestyle="--", linewidth=1)
+        ax.text(train_max + 0.7, 2, "OOD", color="gray")
+    ax.set_xlabel("number of transitions (operations in the context)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title or "Box state tracking")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories or results JSON files")
+    parser.add_argument("-o", "--output", default="accuracy_vs_transitions.png")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    path = plot_accuracy([load_results(r) for r in args.runs], args.output, args.title)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

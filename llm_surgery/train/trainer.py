@@ -1,0 +1,344 @@
+"""The training run: host -> surgery (+ optional LoRA) -> Box data -> AdamW + schedule -> Accelerate loop with
+evaluation, resumable checkpoints and logging -> `save_inserted` artifact, results.json, table and plot.
+
+The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
+launcher changes. The loss is computed on the completion tokens only (left padding puts them at the end of
+every row, so the LM head runs on those positions alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .artifact import save_final
+from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data import ShardedBatchSampler, TokenizedBox, cap_records, make_splits
+from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
+from .metrics import MetricsLog, Throughput, print_results, truncate_after
+from .schedule import build_scheduler
+
+KILL_ENV = "LLM_SURGERY_KILL_AT_STEP"  # tests: SIGKILL rank 0 when this step starts (a real crash)
+
+
+# ---------------------------------------------------------------- setup
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    on_cuda = torch.cuda.is_available() and not cfg.cpu and os.environ.get("ACCELERATE_USE_CPU", "").lower() \
+        not in ("1", "true", "yes")
+    precision = cfg.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if on_cuda else "no"
+    kwargs = dict(cpu=cfg.cpu or not on_cuda, mixed_precision=precision)
+    if cfg.fsdp:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+            state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)
+    else:
+        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=False)]
+    accelerator = Accelerator(**kwargs)
+    if cfg.fsdp and accelerator.distributed_type.value != "FSDP":
+        raise ValueError(f"--fsdp needs 2 or more GPU processes (Accelerate shards only on accelerators); this "
+                         f"launch gives {accelerator.num_processes} process(es) of type "
+                         f"{accelerator.distributed_type.value}. Launch with accelerate launch --num_processes N.")
+    return accelerator
+
+
+def load_host(cfg: TrainConfig, accelerator, log):
+    """(model, tokenizer, description) on this process's device."""
+    from .host import load_pretrained, pretrain_host, random_init_host, resolve_dtype
+
+    dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
+    if cfg.random_init_config:
+        model, tok = random_init_host(cfg.random_init_config, dtype, accelerator.device, cfg.seed)
+        return model, tok, f"random-init {cfg.random_init_config}"
+    path = cfg.model
+    if path is None:
+        if accelerator.is_main_process:
+            path = str(pretrain_host(cfg, log=log))
+        accelerator.wait_for_everyone()
+        from .host import tiny_host_dir
+        path = str(tiny_host_dir(cfg))
+    model, tok = load_pretrained(path, dtype, accelerator.device)
+    return model, tok, path
+
+
+def add_lora(model, cfg: TrainConfig):
+    """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets)
+    inject_adapter_in_model(lcfg, model)
+    if not any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError(f"--lora-targets {targets} matched no module of this host")
+    return lcfg
+
+
+def mark_trainable(model) -> list[str]:
+    """Only inserted layers and LoRA weights train; everything else is frozen. Returns the trainable names."""
+    from llm_surgery.insert import inserted_layers
+
+    inserted = {id(p) for block in inserted_layers(model).values() for p in block.parameters()}
+    names = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(id(p) in inserted or "lora_" in n)
+        if p.requires_grad:
+            names.append(n)
+    if not names:
+        raise RuntimeError("no trainable parameters after the surgery")
+    return names
+
+
+def mixers_outside_autocast(model, kinds: tuple[str, ...] = ("pdssm",)) -> int:
+    """Run the inserted mixers of `kinds` in their own (float32) dtype with autocast off; returns how many.
+
+    Adapter for FlashPDSSM, whose complex scan inputs (`torch.complex` of two einsum results) fail when bf16
+    autocast turns the einsums into bf16. Inputs are cast to the mixer's parameter dtype; the inserted block
+    casts the output back to the host dtype. Remove once the layer handles autocast itself.
+    """
+    from llm_surgery.insert import inserted_layers
+
+    count = 0
+    for block in inserted_layers(model).values():
+        if block.kind not in kinds:
+            continue
+        mixer = block.mixer
+        dtype = next(p.dtype for p in mixer.parameters() if p.is_floating_point())
+        mixer.forward = functools.partial(_forward_without_autocast, mixer.forward, dtype)
+        count += 1
+    return count
+
+
+def _forward_without_autocast(forward, dtype, hidden_states, *args, **kwargs):
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return forward(hidden_states.to(dtype), *args, **kwargs)
+
+
+def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps)
+
+
+# ---------------------------------------------------------------- run
+
+def train(cfg: TrainConfig) -> dict:
+    """Run one configuration end to end; returns the results dict (also written to results.json).
+
+    Accelerate fixes the device and mixed precision once per process: calling `train` again in the same
+    process must use the same `cpu` / `mixed_precision` settings.
+    """
+    from accelerate.utils import set_seed
+
+    from llm_surgery.box_data import BoxCollator
+    from llm_surgery.insert import count_parameters, insert_layers, set_tau
+
+    accelerator = make_accelerator(cfg)
+    main = accelerator.is_main_process
+
+    def log(msg: str) -> None:
+        if main:
+            print(msg, flush=True)
+
+    out_dir = Path(cfg.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    resume_path = None
+    if cfg.resume:  # fail before any work if the checkpoint is not there
+        resume_path = resolve_checkpoint(cfg.resume, ckpt_root)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    log(f"llm-surgery train: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
+
+    # host, surgery, LoRA
+    set_seed(cfg.seed)
+    model, tokenizer, host_desc = load_host(cfg, accelerator, log)
+    set_seed(cfg.seed)
+    insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    if cfg.lora_r:
+        add_lora(model, cfg)
+    trainable = mark_trainable(model)
+    if accelerator.mixed_precision in ("bf16", "fp16"):  # fp32 master weights; autocast does the compute
+        for n, p in model.named_parameters():
+            if p.requires_grad and p.is_floating_point():
+                p.data = p.data.float()
+    if accelerator.mixed_precision != "no" and mixers_outside_autocast(model):
+        log("FlashPDSSM layers run in float32 outside autocast (they do not support bf16 autocast yet)")
+    if cfg.tau is not None:
+        set_tau(model, cfg.tau)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    n_inserted, n_total = count_parameters(model)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"host {host_desc}: {n_total:,} params; inserted {cfg.n} x {cfg.kind}: {n_inserted:,}; "
+        f"trainable {n_trainable:,} ({len(trainable)} tensors)")
+
+    # data
+    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
+    train_data = TokenizedBox(tokenizer, splits["train"])
+    sampler = ShardedBatchSampler(len(train_data), cfg.batch_size, accelerator.process_index,
+                                  accelerator.num_processes, cfg.seed)
+    collate = BoxCollator(tokenizer, padding_side="left", pad_to_multiple_of=8)
+    steps_per_epoch = max(1, sampler.batches_per_epoch // cfg.grad_accum)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    val_set = EvalSet(accelerator, tokenizer, "validation", cap_records(splits["validation"], cfg.max_eval_examples),
+                      cfg.eval_batch_size)
+    test_set = EvalSet(accelerator, tokenizer, "test", cap_records(splits["test"], cfg.max_eval_examples),
+                       cfg.eval_batch_size)
+    log(f"data: {len(train_data):,} train examples ({sampler.batches_per_epoch} global batches of "
+        f"{sampler.global_batch} per epoch), {len(val_set.records):,} validation, {len(test_set.records):,} test; "
+        f"{total_steps} optimizer steps x {cfg.grad_accum} accumulation")
+
+    # optimisation
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
+
+    start_step = 0
+    if resume_path is not None:
+        state = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        start_step = int(state["step"])
+        log(f"resumed from {resume_path} at step {start_step}")
+    if main:
+        if resume_path is not None:
+            truncate_after(out_dir / "metrics.jsonl", start_step)
+        metrics = MetricsLog(out_dir, tensorboard=cfg.tensorboard, append=resume_path is not None)
+    sampler.set_position(start_step * cfg.grad_accum)
+    batches = iter(torch.utils.data.DataLoader(train_data, batch_sampler=sampler, collate_fn=collate))
+
+    bar = None
+    if main and cfg.progress:
+        from tqdm.auto import tqdm  # noqa: I001 - a dependency of transformers, always present
+        bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.kind}", unit="step", dynamic_ncols=True)
+    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    if accelerator.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    meter = Throughput(accelerator.device, skip=min(5, (total_steps - start_step) // 5))
+    meter.start()
+    window_t, window_tokens = time.perf_counter(), 0
+    for step in range(start_step, total_steps):
+        if kill_at and step == kill_at and main:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
+        for micro in range(cfg.grad_accum):
+            cpu = next(batches)
+            span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
+            ctx = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
+            with ctx:
+                with accelerator.autocast():
+                    logits, labels = completion_loss_inputs(model, batch, span)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100)
+                accelerator.backward(loss / cfg.grad_accum)
+            loss_sum += loss.detach() / cfg.grad_accum
+            step_tokens += n_tok
+            window_tokens += n_tok
+        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        meter.step_done(step_tokens)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == total_steps:
+            loss_mean = accelerator.reduce(loss_sum, "mean").item()
+            now = time.perf_counter()
+            tok_s = window_tokens / max(now - window_t, 1e-9)
+            window_t, window_tokens = now, 0
+            record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
+                      "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
+                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch}
+            if main:
+                metrics.log(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{tok_s * accelerator.num_processes:,.0f}")
+        if bar is not None:
+            bar.update(1)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
+            meter.pause()
+            val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
+            if main:
+                metrics.log({"step": done, "val_accuracy": val["accuracy"]})
+            meter.resume()
+        if cfg.save_every and done % cfg.save_every == 0:
+            meter.pause()
+            position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
+            save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
+                            extra={"kind": cfg.kind, "total_steps": total_steps})
+            meter.resume()
+    meter.pause()
+    if bar is not None:
+        bar.close()
+
+    # throughput, evaluation, artifact
+    rate = meter.tokens_per_s()
+    throughput = {
+        "timed_seconds": meter.seconds, "timed_steps": meter.steps - meter.skip, "warmup_steps": meter.skip,
+        "tokens_per_s_per_process": rate,
+        "tokens_per_s_total": accelerator.reduce(torch.tensor(rate, device=accelerator.device), "sum").item(),
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+                            if accelerator.device.type == "cuda" else None),
+    }
+    unit = "GPU" if accelerator.device.type == "cuda" else "process"
+    log(f"throughput: {throughput['tokens_per_s_per_process']:,.0f} tokens/s per {unit}, "
+        f"{throughput['tokens_per_s_total']:,.0f} total" + (
+            f", peak memory {throughput['peak_memory_gib']:.2f} GiB per GPU"
+            if throughput["peak_memory_gib"] is not None else ""))
+    val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
+    test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
+    results = {"kind": cfg.kind, "n": cfg.n, "host": host_desc, "steps": total_steps,
+               "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
+               "throughput": throughput, "num_processes": accelerator.num_processes,
+               "distributed_type": accelerator.distributed_type.value,
+               "validation": val, "test": test, "config": cfg.to_dict()}
+    final_dir = out_dir / "final"
+    save_final(accelerator, model, final_dir, cfg)
+    if main:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        metrics.log({"step": total_steps, "val_accuracy": val["accuracy"], "test_iid_accuracy": test["iid"]["accuracy"],
+                     "test_ood_accuracy": test["ood"]["accuracy"]})
+        metrics.close()
+        print_results(results)
+        if cfg.plot:
+            try:
+                from .plot import plot_accuracy
+                png = plot_accuracy([{**results, "label": f"{cfg.kind} x{cfg.n}"}], out_dir / "accuracy.png")
+                log(f"plot: {png}")
+            except ImportError as e:  # matplotlib is optional on bare GPU images
+                log(f"no plot ({e})")
+        log(f"inserted layers: {final_dir}; results: {out_dir / 'results.json'}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return results
+
+
+def _position(sampler: ShardedBatchSampler, micro_batches: int) -> dict:
+    epoch, batch = divmod(micro_batches, sampler.batches_per_epoch)
+    return {"epoch": epoch, "batch_in_epoch": batch}

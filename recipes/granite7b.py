@@ -1,0 +1,28 @@
+"""Granite 4.0 H Tiny (7B-A1B) + 4 inserted layers on Box, with the paper's settings:
+AdamW, weight decay 0.1, lr 5e-4, cosine to 0.1x after 10% linear warm-up.
+
+    accelerate launch recipes/granite7b.py --kind pdssm                      # hub checkpoint (downloads)
+    accelerate launch recipes/granite7b.py --kind mamba2 --model /path/to/ckpt  # local copy
+
+Throughput run without the checkpoint: --random-init-config granite-4.0-h-tiny. Any TrainConfig field can be overridden on the command line (--help).
+"""
+
+from llm_surgery.train import main
+
+DEFAULTS = dict(
+    model="ibm-granite/granite-4.0-h-tiny",
+    n=4,
+    lr=0.0005,
+    weight_decay=0.1,
+    schedule="cosine",
+    warmup_ratio=0.1,
+    min_lr_ratio=0.1,
+    num_sequences=1000,
+    batch_size=8,
+    max_steps=None,  # one epoch
+    max_eval_examples=None,
+    output_dir="runs/granite7b",
+)
+
+if __name__ == "__main__":
+    main(defaults=DEFAULTS, prog="recipes/granite7b.py")

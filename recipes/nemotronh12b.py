@@ -1,0 +1,28 @@
+"""Nemotron-H 12B (NVIDIA-Nemotron-Nano-12B-v2) + 4 inserted layers on Box, with the paper's settings:
+AdamW, weight decay 0.1, lr 1e-4, cosine to 0.1x after 10% linear warm-up.
+
+    accelerate launch recipes/nemotronh12b.py --kind pdssm                      # hub checkpoint (downloads)
+    accelerate launch recipes/nemotronh12b.py --kind mamba2 --model /path/to/ckpt  # local copy
+
+Throughput run without the checkpoint: --random-init-config nemotron-nano-12b-v2. Any TrainConfig field can be overridden on the command line (--help).
+"""
+
+from llm_surgery.train import main
+
+DEFAULTS = dict(
+    model="nvidia/NVIDIA-Nemotron-Nano-12B-v2",
+    n=4,
+    lr=0.0001,
+    weight_decay=0.1,
+    schedule="cosine",
+    warmup_ratio=0.1,
+    min_lr_ratio=0.1,
+    num_sequences=1000,
+    batch_size=8,
+    max_steps=None,  # one epoch
+    max_eval_examples=None,
+    output_dir="runs/nemotronh12b",
+)
+
+if __name__ == "__main__":
+    main(defaults=DEFAULTS, prog="recipes/nemotronh12b.py")
