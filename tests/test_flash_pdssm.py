@@ -122,3 +122,16 @@ def test_errors():
         layer(torch.randn(2, 5, 48), attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="recurrent state"):
         layer(torch.randn(2, 5, 48), state=(None, torch.zeros(2, 3, 12, dtype=torch.complex64)))
+
+
+def test_bf16_autocast_keeps_the_scan_in_float32():
+    torch.manual_seed(0)
+    layer = FlashPDSSM(64, num_heads=4)
+    x = torch.randn(2, 20, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        y.float().pow(2).sum().backward()
+    assert y.dtype == torch.bfloat16
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+    ref = layer(x)
+    assert (y.float() - ref).norm() < 0.05 * ref.norm()

@@ -363,8 +363,8 @@ def test_lora_trains_and_round_trips(tmp_path, tiny_host_dir, monkeypatch):
 
 @pytest.mark.slow
 def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
-    """What a GPU run does, on the CPU: bf16 frozen host, float32 trainable layers, bf16 autocast (PD-SSM kept
-    in float32 by the trainer's adapter). Loss must be finite and the trained weights float32."""
+    """What a GPU run does, on the CPU: bf16 frozen host, float32 trainable layers, bf16 autocast (the PD-SSM
+    layer keeps its scan in float32 inside autocast). Loss must be finite and the trained weights float32."""
     from safetensors.torch import load_file
 
     out = tmp_path / "bf16"

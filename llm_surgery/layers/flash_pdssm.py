@@ -11,6 +11,7 @@ Memory is O(B*L*H*N + H*K*N*N): per token only an int16 index vector and a diago
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class FlashPDSSM(nn.Module):
                  state_size: int | None = None, dict_size: int | None = None, expand: int = 1,
                  conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
                  dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
-                 layer_idx: int | None = None, b_gate: bool = False):
+                 layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0):
         super().__init__()
         if hidden_size <= 0:
             raise ValueError(f"FlashPDSSM: hidden_size must be positive, got {hidden_size}")
@@ -63,15 +64,27 @@ class FlashPDSSM(nn.Module):
         self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
         self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
         self.complex, self.tau, self.layer_idx = complex, float(tau), layer_idx
-        self.b_gate = bool(b_gate)
+        if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
+            b_gate = "sigmoid" if b_gate else None
+        if b_gate not in self.B_GATES:
+            raise ValueError(f"FlashPDSSM: b_gate must be one of {self.B_GATES}, got {b_gate!r}")
+        if x_init_std < 0:
+            raise ValueError(f"FlashPDSSM: x_init_std must be >= 0, got {x_init_std}")
+        if b_gate == "off" and not x_init_std:
+            raise ValueError("FlashPDSSM: b_gate='off' needs x_init_std > 0, else the state stays zero")
+        self.b_gate = b_gate
         H, P, N, K = num_heads, head_dim, state_size, dict_size
 
         self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=False)
         self.conv1d = nn.Conv1d(d_inner, d_inner, conv_kernel, groups=d_inner, bias=True)
         n_phase = N if complex else 0
-        # b_gate: one sigmoid gate per head and token scales b_t, so tokens that only permute the state can
-        # inject nothing (an always-on b_t makes the state a random walk that breaks length generalisation).
-        self.x_proj = nn.Linear(d_inner, H * (K + N + n_phase + int(self.b_gate)), bias=False)
+        # b_gate (docs/bench/state_tracking.md): an always-on b_t = B u_t makes the state a sum of permuted
+        # injections, a random walk that breaks length generalisation of state tracking. "sigmoid"/"hard": one
+        # gate per head and token scales b_t ("hard" reaches exactly 0); "decay": b_t scaled by 1 - |D_t|, so
+        # a head that keeps its state (|D| -> 1) takes nothing in; "off": no injection at all, the state
+        # is the learned x_init moved by P_t D_t (Proposition 1's automaton emulation; give x_init_std > 0).
+        n_gate = int(b_gate in ("sigmoid", "hard"))
+        self.x_proj = nn.Linear(d_inner, H * (K + N + n_phase + n_gate), bias=False)
         # log|D_t| = -softplus(a_t + decay_bias): decays start in decay_range, like Mamba2's dt init.
         lo, hi = decay_range
         decay = torch.exp(torch.rand(H * N) * (math.log(hi) - math.log(lo)) + math.log(lo))
@@ -82,13 +95,15 @@ class FlashPDSSM(nn.Module):
         self.C = nn.Parameter(torch.randn(H, P, N, 2 if complex else 1) / math.sqrt(N))
         self.D_skip = nn.Parameter(torch.ones(H, P))
         # Learned initial state (PD-SSM starts automata from a one-hot state); padding steps keep it intact.
-        self.x_init = nn.Parameter(torch.zeros(H, N, 2 if complex else 1))
+        shape = (H, N, 2 if complex else 1)
+        self.x_init = nn.Parameter(torch.randn(shape) * x_init_std if x_init_std else torch.zeros(shape))
         self.norm = GatedRMSNorm(d_inner, eps=norm_eps, group_size=head_dim)  # per head: one head per automaton
         self.out_proj = nn.Linear(d_inner, hidden_size, bias=False)
         with torch.no_grad():
             self.x_proj.weight.mul_(0.5)
 
     DICT_INITS = ("normal", "permutation", "identity")
+    B_GATES = (None, "sigmoid", "hard", "decay", "off")
 
     @staticmethod
     def _init_dictionary(H: int, K: int, N: int, how: str) -> torch.Tensor:
@@ -113,9 +128,7 @@ class FlashPDSSM(nn.Module):
         Bsz, L, _ = u.shape
         H, P, N, K = self.num_heads, self.head_dim, self.state_size, self.dict_size
         cd = torch.promote_types(u.dtype, torch.float32)  # scan in float32 at least (float64 when asked)
-        # Selector and diagonal logits in float32 even under bf16 autocast: argmax near-ties flip on bf16 rounding.
-        with torch.autocast(u.device.type, enabled=False):
-            proj = F.linear(u.to(cd), self.x_proj.weight.to(cd))
+        proj = F.linear(u.to(cd), self.x_proj.weight.to(cd))  # logits of the hard argmaxes in float32
         proj = proj.view(Bsz, L, H, -1).transpose(1, 2)  # [B,H,L,K+N(+N)]
         sel = proj[..., :K]
         log_mag = -F.softplus(proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N))
@@ -123,12 +136,18 @@ class FlashPDSSM(nn.Module):
         Bw = self.B.to(cd)
         b_parts = torch.einsum("blhp,hnpc->bhlnc", uh, Bw)
         if self.complex:
-            D = torch.polar(torch.exp(log_mag), proj[..., K + N:])
+            D = torch.polar(torch.exp(log_mag), proj[..., K + N:K + 2 * N])
             b = torch.complex(b_parts[..., 0], b_parts[..., 1])
         else:
             D, b = torch.exp(log_mag), b_parts[..., 0]
-        if self.b_gate:
+        if self.b_gate == "off":
+            b = torch.zeros_like(b)
+        elif self.b_gate == "sigmoid":
             b = b * torch.sigmoid(proj[..., -1:])
+        elif self.b_gate == "hard":  # exactly 0 for gate logits <= -0.5: ordinary tokens can inject nothing
+            b = b * (0.5 + proj[..., -1:]).clamp(0, 1)
+        elif self.b_gate == "decay":  # b scaled by 1 - |D| (Mamba-style): a state that keeps, takes nothing in
+            b = b * -torch.expm1(log_mag)
         return sel, D, b
 
     def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -159,9 +178,23 @@ class FlashPDSSM(nn.Module):
         u = apply_padding_mask(u, attention_mask)
         u, new_conv = causal_conv1d(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
         u = apply_padding_mask(F.silu(u), attention_mask)
+        # The scan and its inputs run in float32 (float64 if asked) even under bf16 autocast: the complex
+        # inputs, the hard argmaxes and the long recurrence need it; the big projections stay in autocast.
+        device = u.device.type
+        no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext()
+        with no_autocast:
+            y, x_last = self._scan_and_read(u, attention_mask, x0)
+        out = self.out_proj(self.norm(y.to(z.dtype), z))
+        if return_state:
+            return out, (new_conv, x_last)
+        return out
+
+    def _scan_and_read(self, u: torch.Tensor, attention_mask: torch.Tensor | None, x0: torch.Tensor | None):
+        """u [B, L, d_inner] -> (readout y [B, L, d_inner], last state [B, H, N])."""
+        Bsz = u.shape[0]
         sel, D, b = self._ssm_inputs(u)
         if x0 is None:
-            x0 = self.initial_state(Bsz).to(b.dtype)
+            x0 = self.initial_state(Bsz)
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
@@ -173,11 +206,7 @@ class FlashPDSSM(nn.Module):
             x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau, mask=attention_mask)
         else:  # inference: the same hard forward without the straight-through bookkeeping
             x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0)
-        y = self._readout(x, u).to(hidden_states.dtype)
-        out = self.out_proj(self.norm(y, z))
-        if return_state:
-            return out, (new_conv, x[:, :, -1])
-        return out
+        return self._readout(x, u), x[:, :, -1]
 
     def step(self, hidden_state: torch.Tensor, state=None):
         """One token [B, D] -> (y [B, D], state): the recurrent form used in generation. Equal to forward on

@@ -9,7 +9,6 @@ every row, so the LM head runs on those positions alone).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -106,31 +105,6 @@ def mark_trainable(model) -> list[str]:
     return names
 
 
-def mixers_outside_autocast(model, kinds: tuple[str, ...] = ("pdssm",)) -> int:
-    """Run the inserted mixers of `kinds` in their own (float32) dtype with autocast off; returns how many.
-
-    Adapter for FlashPDSSM, whose complex scan inputs (`torch.complex` of two einsum results) fail when bf16
-    autocast turns the einsums into bf16. Inputs are cast to the mixer's parameter dtype; the inserted block
-    casts the output back to the host dtype. Remove once the layer handles autocast itself.
-    """
-    from llm_surgery.insert import inserted_layers
-
-    count = 0
-    for block in inserted_layers(model).values():
-        if block.kind not in kinds:
-            continue
-        mixer = block.mixer
-        dtype = next(p.dtype for p in mixer.parameters() if p.is_floating_point())
-        mixer.forward = functools.partial(_forward_without_autocast, mixer.forward, dtype)
-        count += 1
-    return count
-
-
-def _forward_without_autocast(forward, dtype, hidden_states, *args, **kwargs):
-    with torch.autocast(hidden_states.device.type, enabled=False):
-        return forward(hidden_states.to(dtype), *args, **kwargs)
-
-
 def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars)."""
     decay, no_decay = [], []
@@ -185,8 +159,6 @@ def train(cfg: TrainConfig) -> dict:
         for n, p in model.named_parameters():
             if p.requires_grad and p.is_floating_point():
                 p.data = p.data.float()
-    if accelerator.mixed_precision != "no" and mixers_outside_autocast(model):
-        log("FlashPDSSM layers run in float32 outside autocast (they do not support bf16 autocast yet)")
     if cfg.tau is not None:
         set_tau(model, cfg.tau)
     if cfg.gradient_checkpointing:

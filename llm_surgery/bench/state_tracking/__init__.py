@@ -1,0 +1,1 @@
+"""Synthetic state-tracking benchmark: tasks, a small classifier, training and evaluation."""

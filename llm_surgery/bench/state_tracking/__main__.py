@@ -1,0 +1,120 @@
+"""python -m llm_surgery.bench.state_tracking --kind pdssm --task parity [--all] [--steps N] [--seeds 0,1,2]
+[--device cuda] [--out results.jsonl]: train and evaluate state-tracking models, one JSON line per run, and a
+summary table (mean accuracy over eval lengths 40..256, mean +- standard error over seeds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from .tasks import TABLE1_TASKS, TASKS
+from .train import TrainConfig, train, train_one_thread
+
+# Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
+ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m llm_surgery.bench.state_tracking", description=__doc__)
+    p.add_argument("--kind", default="pdssm", help="pdssm, mamba2 or deltanet (comma list allowed)")
+    p.add_argument("--task", default="parity", help=f"one of {', '.join(TASKS)} (comma list allowed)")
+    p.add_argument("--all", action="store_true", help=f"the paper's Table 1 tasks: {', '.join(TABLE1_TASKS)}")
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--seeds", default="0,1,2,3,4", help="a count N (seeds 0..N-1) or a comma list ('7,' = seed 7)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="append one JSON line per run to this file")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--curriculum", type=float, default=0.0, help="fraction of steps over which max length ramps")
+    p.add_argument("--tau-end", type=float, default=1.0, help="anneal the pdssm STE temperature 1 -> tau_end")
+    p.add_argument("--robust", action="store_true", help=f"pdssm options of issue 9: {ROBUST_PDSSM}")
+    p.add_argument("--mixer", default="{}", help="JSON of extra mixer options, e.g. '{\"complex\": false}'")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds of training per run (0: no limit)")
+    p.add_argument("--eval-lengths", default="40:257:24", help="start:stop:step or a comma list")
+    p.add_argument("--eval-batch", type=int, default=256)
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (subprocesses, one torch thread each)")
+    return p.parse_args(argv)
+
+
+def _seeds(text: str) -> list[int]:
+    """'0,3,4' -> those seeds; a bare count '5' -> seeds 0..4 (one seed 7: '7,')."""
+    try:
+        return [int(s) for s in text.split(",") if s] if "," in text else list(range(int(text)))
+    except ValueError:
+        raise SystemExit(f"--seeds must be a count or a comma list of integers, got {text!r}") from None
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    if ":" in text:
+        return tuple(range(*(int(x) for x in text.split(":"))))
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def summarize(rows: list[dict]) -> str:
+    """Markdown table: one row per (kind, task), mean +- standard error over seeds of the mean accuracy."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["task"]), []).append(100 * r["acc_mean"])
+    lines = ["| kind | task | seeds | acc 40..256 (%) | per seed |", "| --- | --- | --- | --- | --- |"]
+    for (kind, task), accs in sorted(groups.items()):
+        m = sum(accs) / len(accs)
+        se = math.sqrt(sum((a - m) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else 0.0
+        lines.append(f"| {kind} | {task} | {len(accs)} | {m:.1f} ± {se:.1f} | {', '.join(f'{a:.1f}' for a in accs)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tasks = list(TABLE1_TASKS) if args.all else args.task.split(",")
+    for t in tasks:
+        if t not in TASKS:
+            raise SystemExit(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    extra = json.loads(args.mixer)
+    configs = []
+    for kind in args.kind.split(","):
+        for task in tasks:
+            for seed in _seeds(args.seeds):
+                mixer = {**(ROBUST_PDSSM if args.robust and kind == "pdssm" else {}), **extra}
+                configs.append(TrainConfig(task=task, kind=kind, n_layers=args.layers, d_model=args.d_model,
+                                           steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                                           curriculum_frac=args.curriculum, tau_end=args.tau_end, seed=seed,
+                                           device=args.device, eval_every=args.eval_every,
+                                           time_limit_s=args.time_limit, mixer=mixer,
+                                           eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch))
+    rows = []
+    for r in _run_all(configs, args.jobs):
+        rows.append(r)
+        print(f"{r['kind']} {r['task']} seed {r['seed']}: acc 40..256 {100 * r['acc_mean']:.1f}%, at "
+              f"{max(map(int, r['acc']))}: {100 * r['acc_max_len']:.1f}% ({r['steps_run']} steps, {r['seconds']}s)",
+              flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    print(summarize(rows))
+    return 0
+
+
+def _run_all(configs, jobs: int):
+    """Yield results as runs finish; with jobs > 1 in a process pool (spawned: safe with CUDA)."""
+    if jobs <= 1:
+        for cfg in configs:
+            yield train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(train_one_thread, cfg) for cfg in configs]
+        for fut in as_completed(futures):
+            try:
+                yield fut.result()
+            except Exception as exc:  # one failed run must not lose the others
+                print(f"run failed: {exc!r}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

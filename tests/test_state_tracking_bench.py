@@ -1,0 +1,108 @@
+"""The state-tracking trainer and CLI, and the Flash PD-SSM options added for learning state tracking."""
+
+import json
+
+import pytest
+import torch
+
+from llm_surgery.bench.state_tracking.__main__ import _seeds, main, summarize
+from llm_surgery.bench.state_tracking.model import StateTracker
+from llm_surgery.bench.state_tracking.train import TrainConfig, lr_at, max_train_len, train
+from llm_surgery.layers import FlashPDSSM
+
+
+def test_lr_schedule_warms_up_then_decays():
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_frac=0.1)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 1e-5
+
+
+def test_curriculum_ramps_to_max_len():
+    cfg = TrainConfig(steps=100, curriculum_frac=0.5, min_len=1, max_len=40)
+    assert max_train_len(0, cfg) == 2 and max_train_len(50, cfg) == 40 and max_train_len(99, cfg) == 40
+    assert max_train_len(25, cfg) == 21
+    assert max_train_len(0, TrainConfig(steps=100)) == 40
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="min_len"):
+        TrainConfig(min_len=0)
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="unknown task"):
+        train(TrainConfig(task="nope", steps=1))
+
+
+def test_seeds_parsing():
+    assert _seeds("3") == [0, 1, 2] and _seeds("4,7") == [4, 7] and _seeds("7,") == [7]
+    with pytest.raises(SystemExit):
+        _seeds("x")
+
+
+def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    main(["--kind", "pdssm", "--task", "parity,cycle_navigation", "--steps", "3", "--seeds", "2", "--layers", "1",
+          "--d-model", "16", "--batch-size", "4", "--robust", "--eval-lengths", "40,256", "--eval-batch", "8",
+          "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and {r["task"] for r in rows} == {"parity", "cycle_navigation"}
+    assert all(r["steps_run"] == 3 and 0 <= r["acc_mean"] <= 1 and set(r["acc"]) >= {"40", "256"} for r in rows)
+    assert rows[0]["config"]["mixer"]["b_gate"] == "decay"
+    text = capsys.readouterr().out
+    assert "| pdssm | parity | 2 |" in text
+    with pytest.raises(SystemExit):
+        main(["--task", "dyck", "--steps", "1"])
+
+
+def test_summarize_mean_and_standard_error():
+    rows = [{"kind": "pdssm", "task": "parity", "acc_mean": a} for a in (0.9, 1.0)]
+    assert "95.0 ± 5.0" in summarize(rows)
+
+
+def test_set_tau_reaches_every_pdssm_layer():
+    m = StateTracker(3, 2, d_model=16, n_layers=2, kind="pdssm", num_heads=2)
+    m.set_tau(0.25)
+    assert [b.mixer.tau for b in m.blocks] == [0.25, 0.25]
+
+
+@pytest.mark.parametrize("complex_", [False, True])
+def test_hard_b_gate_can_close_the_injection(complex_):
+    torch.manual_seed(0)
+    layer = FlashPDSSM(16, num_heads=2, state_size=4, complex=complex_, b_gate="hard", x_init_std=1.0)
+    u = torch.randn(2, 5, 16)
+    _, D, b = layer._ssm_inputs(u)
+    assert D.shape == b.shape == (2, 2, 5, 4) and b.abs().sum() > 0
+    with torch.no_grad():  # gate logits of every head far below -0.5: exactly no injection
+        layer.x_proj.weight.view(2, -1, 16)[:, -1].zero_()
+        layer.x_proj.weight.view(2, -1, 16)[:, -1, 0] = -100.0
+    _, _, b = layer._ssm_inputs(u.abs() + 0.1)
+    assert b.abs().max() == 0
+    y = layer(torch.randn(2, 5, 16))
+    assert y.shape == (2, 5, 16) and torch.isfinite(y).all()
+
+
+def test_decay_b_gate_scales_injection_by_one_minus_abs_d():
+    u = torch.randn(2, 5, 16)
+    torch.manual_seed(0)
+    plain = FlashPDSSM(16, num_heads=2, state_size=4)
+    torch.manual_seed(0)
+    coupled = FlashPDSSM(16, num_heads=2, state_size=4, b_gate="decay")
+    _, D, b = plain._ssm_inputs(u)
+    _, D2, b2 = coupled._ssm_inputs(u)
+    assert torch.equal(D, D2)
+    torch.testing.assert_close(b2, b * (1 - D.abs()))
+
+
+def test_b_gate_options_and_errors():
+    off = FlashPDSSM(16, num_heads=2, state_size=4, b_gate="off", x_init_std=1.0)
+    _, _, b = off._ssm_inputs(torch.randn(1, 3, 16))
+    assert b.abs().max() == 0 and off.x_init.abs().sum() > 0
+    assert FlashPDSSM(16, num_heads=2).x_init.abs().sum() == 0  # default unchanged: zero initial state
+    assert FlashPDSSM(16, b_gate=True).b_gate == "sigmoid" and FlashPDSSM(16, b_gate=False).b_gate is None
+    with pytest.raises(ValueError, match="b_gate"):
+        FlashPDSSM(16, b_gate="relu")
+    with pytest.raises(ValueError, match="x_init_std"):
+        FlashPDSSM(16, b_gate="off")
+    with pytest.raises(ValueError, match="x_init_std"):
+        FlashPDSSM(16, x_init_std=-1.0)
