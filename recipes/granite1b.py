@@ -8,20 +8,9 @@ Throughput run without the checkpoint: --random-init-config granite-4.0-h-1b. An
 """
 
 from llm_surgery.train import main
+from llm_surgery.train.paper import recipe_defaults
 
-DEFAULTS = dict(
-    model="ibm-granite/granite-4.0-h-1b",
-    n=4,
-    lr=0.001,
-    weight_decay=0.1,
-    schedule="constant",
-    warmup_ratio=0.1,
-    num_sequences=1000,
-    batch_size=8,
-    max_steps=None,  # one epoch
-    max_eval_examples=None,
-    output_dir="runs/granite1b",
-)
+DEFAULTS = recipe_defaults("granite1b")
 
 if __name__ == "__main__":
     main(defaults=DEFAULTS, prog="recipes/granite1b.py")

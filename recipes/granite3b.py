@@ -8,21 +8,9 @@ Throughput run without the checkpoint: --random-init-config granite-4.0-h-micro.
 """
 
 from llm_surgery.train import main
+from llm_surgery.train.paper import recipe_defaults
 
-DEFAULTS = dict(
-    model="ibm-granite/granite-4.0-h-micro",
-    n=4,
-    lr=0.0005,
-    weight_decay=0.1,
-    schedule="cosine",
-    warmup_ratio=0.1,
-    min_lr_ratio=0.1,
-    num_sequences=1000,
-    batch_size=8,
-    max_steps=None,  # one epoch
-    max_eval_examples=None,
-    output_dir="runs/granite3b",
-)
+DEFAULTS = recipe_defaults("granite3b")
 
 if __name__ == "__main__":
     main(defaults=DEFAULTS, prog="recipes/granite3b.py")

@@ -4,26 +4,13 @@ AdamW, weight decay 0.1, lr 1e-4, cosine to 0.1x after 10% linear warm-up; FSDP 
     accelerate launch recipes/nemotronh30b.py --kind pdssm                      # hub checkpoint (downloads)
     accelerate launch recipes/nemotronh30b.py --kind mamba2 --model /path/to/ckpt  # local copy
 
-No random-init configuration is recorded for this host (llm_surgery.hosts.HOST_CONFIGS).. Any TrainConfig field can be overridden on the command line (--help).
+No random-init configuration is recorded for this host (llm_surgery.hosts.HOST_CONFIGS). Any TrainConfig field can be overridden on the command line (--help).
 """
 
 from llm_surgery.train import main
+from llm_surgery.train.paper import recipe_defaults
 
-DEFAULTS = dict(
-    model="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
-    n=4,
-    lr=0.0001,
-    weight_decay=0.1,
-    schedule="cosine",
-    warmup_ratio=0.1,
-    min_lr_ratio=0.1,
-    num_sequences=1000,
-    batch_size=8,
-    max_steps=None,  # one epoch
-    max_eval_examples=None,
-    output_dir="runs/nemotronh30b",
-    fsdp=True,
-)
+DEFAULTS = recipe_defaults("nemotronh30b")
 
 if __name__ == "__main__":
     main(defaults=DEFAULTS, prog="recipes/nemotronh30b.py")

@@ -8,21 +8,9 @@ Throughput run without the checkpoint: --random-init-config nemotron-nano-9b-v2.
 """
 
 from llm_surgery.train import main
+from llm_surgery.train.paper import recipe_defaults
 
-DEFAULTS = dict(
-    model="nvidia/NVIDIA-Nemotron-Nano-9B-v2",
-    n=4,
-    lr=0.0001,
-    weight_decay=0.1,
-    schedule="cosine",
-    warmup_ratio=0.1,
-    min_lr_ratio=0.1,
-    num_sequences=1000,
-    batch_size=8,
-    max_steps=None,  # one epoch
-    max_eval_examples=None,
-    output_dir="runs/nemotronh9b",
-)
+DEFAULTS = recipe_defaults("nemotronh9b")
 
 if __name__ == "__main__":
     main(defaults=DEFAULTS, prog="recipes/nemotronh9b.py")

@@ -1,0 +1,38 @@
+"""The paper's per-host training settings (appendix A.2), kept in one table so each recipe only names its host.
+
+AdamW with weight decay 0.1 everywhere, 10% linear warm-up; Granite 350M/1B: lr 1e-3 then constant;
+Granite 3B/7B: lr 5e-4, cosine to 0.1x; Nemotron-H: lr 1e-4, same cosine; 4 inserted layers.
+"""
+
+from __future__ import annotations
+
+_COMMON = dict(n=4, weight_decay=0.1, warmup_ratio=0.1, num_sequences=1000, batch_size=8,
+               max_steps=None, max_eval_examples=None)  # one epoch, the whole test split
+
+
+def _constant(lr: float) -> dict:
+    return dict(lr=lr, schedule="constant")
+
+
+def _cosine(lr: float) -> dict:
+    return dict(lr=lr, schedule="cosine", min_lr_ratio=0.1)
+
+
+PAPER_HOSTS: dict[str, tuple[str, dict]] = {
+    "granite350m": ("ibm-granite/granite-4.0-h-350m", _constant(1e-3)),
+    "granite1b": ("ibm-granite/granite-4.0-h-1b", _constant(1e-3)),
+    "granite3b": ("ibm-granite/granite-4.0-h-micro", _cosine(5e-4)),
+    "granite7b": ("ibm-granite/granite-4.0-h-tiny", _cosine(5e-4)),
+    "nemotronh9b": ("nvidia/NVIDIA-Nemotron-Nano-9B-v2", _cosine(1e-4)),
+    "nemotronh12b": ("nvidia/NVIDIA-Nemotron-Nano-12B-v2", _cosine(1e-4)),
+    # 60 GB of bf16 weights: shard the frozen host too
+    "nemotronh30b": ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", {**_cosine(1e-4), "fsdp": True}),
+}
+
+
+def recipe_defaults(name: str) -> dict:
+    """The TrainConfig defaults of recipe `name` (a key of PAPER_HOSTS)."""
+    if name not in PAPER_HOSTS:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(PAPER_HOSTS)}")
+    model, schedule = PAPER_HOSTS[name]
+    return {**_COMMON, "model": model, **schedule, "output_dir": f"runs/{name}"}
