@@ -12,12 +12,11 @@ import time
 import pytest
 import torch
 
-from llm_surgery.bench.state_tracking.train import TrainConfig, evaluate, train
+from llm_surgery.bench.state_tracking.train import ROBUST_PDSSM, TrainConfig, evaluate, train
 
 PARITY_RECIPE = dict(task="parity", kind="pdssm", n_layers=1, d_model=32, steps=600, batch_size=64, lr=2e-3,
                      curriculum_frac=0.3, eval_lengths=(256,), eval_batch=512,
-                     mixer=dict(num_heads=16, state_size=2, dict_size=2, complex=False, dict_init="permutation",
-                                b_gate="decay", x_init_std=1.0, conv_kernel=1, decay_range=(1e-4, 1e-3)))
+                     mixer=dict(ROBUST_PDSSM, num_heads=16, state_size=2, dict_size=2, complex=False))
 
 
 @pytest.mark.slow

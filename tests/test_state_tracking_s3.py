@@ -5,12 +5,11 @@ Recipe: docs/bench/state_tracking.md (b_gate="decay", no convolution, random ini
 import pytest
 import torch
 
-from llm_surgery.bench.state_tracking.train import TrainConfig, train
+from llm_surgery.bench.state_tracking.train import ROBUST_PDSSM, TrainConfig, train
 
 S3_RECIPE = dict(task="s3_gen", kind="pdssm", n_layers=1, d_model=64, steps=800, batch_size=64, lr=2e-3,
                  curriculum_frac=0.3, eval_lengths=(256,), eval_batch=512,
-                 mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False, dict_init="permutation",
-                            b_gate="decay", x_init_std=1.0, conv_kernel=1, decay_range=(1e-4, 1e-3)))
+                 mixer=dict(ROBUST_PDSSM, num_heads=16, state_size=3, dict_size=8, complex=False))
 
 
 @pytest.mark.slow

@@ -10,10 +10,8 @@ import math
 import sys
 
 from .tasks import TABLE1_TASKS, TASKS
-from .train import TrainConfig, train, train_one_thread
+from .train import ROBUST_PDSSM, TrainConfig, train, train_one_thread
 
-# Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
-ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
 
 
 def parse_args(argv=None):

@@ -17,6 +17,9 @@ from ...layers.flash_pdssm import tau_schedule
 from .model import StateTracker
 from .tasks import get_task
 
+# Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
+ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
+
 
 @dataclass
 class TrainConfig:

@@ -76,21 +76,14 @@ class _PDScan(torch.autograd.Function):
             x = scan_forward(Pf.long(), Df.to(cd), bf.to(cd), None if x0f is None else x0f.to(cd), chunk)
             x = x.to(b.dtype)
         ctx.save_for_backward(Pf, Df, x0f, x)
-        ctx.shape, ctx.chunk, ctx.use_cuda, ctx.has_x0 = b.shape, chunk, use_cuda, x0 is not None
+        ctx.shape, ctx.chunk = b.shape, chunk
         return x.reshape(b.shape)
 
     @staticmethod
     def backward(ctx, grad_x):
         Pf, Df, x0f, x = ctx.saved_tensors
         L, N = ctx.shape[-2:]
-        g = grad_x.reshape(-1, L, N)
-        if ctx.use_cuda:
-            from .cuda import pd_scan_bwd_cuda
-            gD, gb, gx0 = pd_scan_bwd_cuda(Pf, Df, x0f, x, g.contiguous())
-        else:
-            cd = _compute_dtype(x.dtype)
-            gD, gb, gx0 = scan_backward(Pf.long(), Df.to(cd), None if x0f is None else x0f.to(cd), x.to(cd),
-                                        g.to(cd), ctx.chunk)
+        gD, gb, gx0 = pd_scan_backward(Pf, Df, x0f, x, grad_x.reshape(-1, L, N), ctx.chunk)
         gD = gD.to(Df.dtype).reshape(ctx.shape)
         gb = gb.to(x.dtype).reshape(ctx.shape)
         gx0 = None if gx0 is None else gx0.to(x.dtype).reshape(ctx.shape[:-2] + ctx.shape[-1:])
