@@ -43,6 +43,25 @@ def measure(layer, x, iters: int, warmup: int):
     return times[len(times) // 2], peak
 
 
+def profile(build_mixer, args) -> None:
+    """Where one fwd+bwd of a layer spends its GPU time (the first length of --lengths)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.manual_seed(0)
+    layer = build_mixer(args.profile, args.width).cuda().to(torch.bfloat16)
+    L = args.lengths[0]
+    x = torch.randn(args.batch, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ms, peak = measure(layer, x, args.iters, args.warmup)
+    print(f"{args.profile}: {layer.extra_repr() if hasattr(layer, 'extra_repr') else ''}")
+    print(f"B={args.batch} L={L} width={args.width}: fwd+bwd {ms:.2f} ms, peak {peak / 2**30:.2f} GiB")
+    grad = torch.randn_like(x)
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            layer(x).backward(grad)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=1024)
@@ -51,16 +70,32 @@ def main():
     ap.add_argument("--kinds", nargs="+", default=["pdssm", "mamba2", "deltanet"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--quick-autotune", action="store_true",
+                    help="Triton autotuners keep their first working config (saves minutes; untuned timings)")
+    ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
 
+    if args.quick_autotune:
+        import os
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from mixers_cuda_vs_cpu import quick_autotune
+        quick_autotune()
+    if args.profile:
+        profile(build_mixer, args)
+        return
+
     print(f"# layer fwd+bwd, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, python {platform.python_version()}, {datetime.date.today()}")
+          f"CUDA {torch.version.cuda}, python {platform.python_version()}, {datetime.date.today()}, "
+          f"Triton autotuning {'cut to the first config' if args.quick_autotune else 'full'}")
     layers = {}
     for kind in args.kinds:
         torch.manual_seed(0)
         try:
-            layers[kind] = build_mixer(kind, args.width).cuda().to(torch.bfloat16)
+            # mamba2 / deltanet must run their fused kernels here: backend="kernel" raises instead of falling back
+            extra = {"backend": "kernel"} if kind in ("mamba2", "deltanet") else {}
+            layers[kind] = build_mixer(kind, args.width, **extra).cuda().to(torch.bfloat16)
         except Exception as e:  # report, keep measuring the others
             print(f"{kind}: could not build ({type(e).__name__}: {e})")
     print("| kind | params |\n|---|---|")

@@ -97,27 +97,27 @@ def nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
-def run_kind(kind, P, D, b, x0, g, chunk):
+def run_kind(kind, P, D, b, x0, g, chunk, algo="auto"):
     """Run fwd+bwd through one calling form on poisoned outputs; return float64/complex128 results and the
     inputs as the kernel saw them (rounded to the kind's dtype), for the reference."""
     if kind in ("f32", "bf16"):
         dt = torch.float32 if kind == "f32" else torch.bfloat16
         Dk, bk, gk = D.to(dt), b.to(dt), g.to(dt)
-        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0, chunk=chunk, out=nan_like(bk))
+        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0, chunk=chunk, out=nan_like(bk), algo=algo)
         gD, gb, gx0 = K.pd_scan_bwd_cuda(P, Dk, x0, x, gk, chunk=chunk, out=(nan_like(Dk), nan_like(bk)))
         seen = (Dk.double(), bk.double(), x.double(), gk.double())
         return (x.double(), gD.double(), gb.double(), gx0.double()), seen
     if kind == "c64":
         Dk, bk, gk = D.to(torch.complex64), b.to(torch.complex64), g.to(torch.complex64)
         x0k = x0.to(torch.complex64)
-        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, out=nan_like(bk))
+        x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, out=nan_like(bk), algo=algo)
         gD, gb, gx0 = K.pd_scan_bwd_cuda(P, Dk, x0k, x, gk, chunk=chunk, out=(nan_like(Dk), nan_like(bk)))
         c = torch.complex128
         return (x.to(c), gD.to(c), gb.to(c), gx0.to(c)), (Dk.to(c), bk.to(c), x.to(c), gk.to(c))
     dt = torch.float32 if kind == "split_f32" else torch.bfloat16
     Dr, Di, br, bi, gr, gi = (t.to(dt).contiguous() for t in (D.real, D.imag, b.real, b.imag, g.real, g.imag))
     xr, xi = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, x0.to(torch.complex64), chunk=chunk,
-                                      out=(nan_like(br), nan_like(bi)))
+                                      out=(nan_like(br), nan_like(bi)), algo=algo)
     gDr, gDi, gbr, gbi, gx0 = K.pd_scan_bwd_cuda_split(P, Dr, Di, x0.to(torch.complex64), xr, xi, gr, gi,
                                                        chunk=chunk, out=tuple(nan_like(br) for _ in range(4)))
     cx = lambda r, i: torch.complex(r.double(), i.double())
@@ -138,6 +138,9 @@ def check(quick):
                 if L >= 4096 and not (N == 128 or kind == "c64" or kind == "split_f32"):
                     continue
                 cases.append((L, N, kind, "random", None))
+    for L in (129, 4096):   # the block forward kernel, still used for N > 256 (auto takes the warp kernel here)
+        for kind in ("c64", "split_f32", "bf16"):
+            cases.append((L, 128, kind, "random", None, "block"))
     for N in (512, 600, 1024):   # shared-memory-atomic scatter path (too large for per-warp buffers)
         for kind in ("c64", "f32", "split_bf16"):
             cases.append((300, N, kind, "random", None))
@@ -148,22 +151,28 @@ def check(quick):
     for ch in (1, 4, 16, 64):   # many chunks: long look-back chains
         for kind in ("c64", "split_f32", "bf16"):
             cases.append((4096, 64, kind, "random", ch))
+    for N in (1, 31, 33, 100, 200, 255):   # partial warps of the warp kernel
+        cases.append((257, N, "c64", "random", None))
+        cases.append((257, N, "split_bf16", "collide" if N > 1 else "random", 8))
     say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
-    say("| L | N | kind | P | chunk | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
+    say("| L | N | kind | P | chunk | fwd kernel | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
     rows = []
-    for (L, N, kind, pm, ch) in cases:
+    for case in cases:
+        L, N, kind, pm, ch = case[:5]
+        algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
+        fk = "block" if algo == "block" or N > 256 else "warp"
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
         if not cplx:
             x0 = x0.float() if kind == "f32" else x0.to(torch.bfloat16)
         try:
-            (x, gD, gb, gx0), (Ds, bs, xs, gs) = run_kind(kind, P, D, b, x0, g, ch)
+            (x, gD, gb, gx0), (Ds, bs, xs, gs) = run_kind(kind, P, D, b, x0, g, ch, algo)
         except RuntimeError as e:
             bad += 1
-            say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | error: {str(e)[:300]} | | | | NO |")
+            say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | {fk} | error: {str(e)[:300]} | | | | NO |")
             continue
         x0s = x0.to(torch.complex128) if cplx else x0.double()
         xr = ref_fwd(P, Ds, bs, x0s)
@@ -171,8 +180,8 @@ def check(quick):
         errs = [rel(x, xr), rel(gD, gDr), rel(gb, gbr), rel(gx0, gx0r)]
         ok = all(e < tol[kind] for e in errs)
         bad += not ok
-        rows.append(dict(L=L, N=N, kind=kind, P=pm, chunk=ch, errs=errs, ok=ok))
-        say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | " + " | ".join(f"{e:.1e}" for e in errs) +
+        rows.append(dict(L=L, N=N, kind=kind, P=pm, chunk=ch, fwd=fk, errs=errs, ok=ok))
+        say(f"| {L} | {N} | {kind} | {pm} | {ch or 'auto'} | {fk} | " + " | ".join(f"{e:.1e}" for e in errs) +
             f" | {'yes' if ok else 'NO'} |")
     say(f"correctness: {len(cases) - bad}/{len(cases)} passed")
     return rows, bad
@@ -255,10 +264,10 @@ def inputs_for(kind, S, L, N, nsets):
 ELEM = {"f32": 4, "bf16": 2, "c64": 8, "split_f32": 8, "split_bf16": 4}   # bytes per element of D, b, x, g
 
 
-def fwd_fn(kind, s, chunk):
+def fwd_fn(kind, s, chunk, algo="auto"):
     if kind.startswith("split"):
-        return lambda: K.pd_scan_fwd_cuda_split(*s, chunk=chunk)
-    return lambda: K.pd_scan_fwd_cuda(*s, chunk=chunk)
+        return lambda: K.pd_scan_fwd_cuda_split(*s, chunk=chunk, algo=algo)
+    return lambda: K.pd_scan_fwd_cuda(*s, chunk=chunk, algo=algo)
 
 
 def bwd_fn(kind, s, chunk):
@@ -271,13 +280,13 @@ def bwd_fn(kind, s, chunk):
     return lambda: K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=chunk)
 
 
-def time_kind(kind, S, L, N, chunk=None, which="fwd"):
+def time_kind(kind, S, L, N, chunk=None, which="fwd", algo="auto"):
     e = ELEM[kind]
     elems = S * L * N
     must = elems * (2 + 3 * e) if which == "fwd" else elems * (2 + 5 * e)
     nsets = max(1, min(8, math.ceil(256e6 / must)))
     sets = inputs_for(kind, S, L, N, nsets)
-    fns = [(fwd_fn if which == "fwd" else bwd_fn)(kind, s, chunk) for s in sets]
+    fns = [fwd_fn(kind, s, chunk, algo) if which == "fwd" else bwd_fn(kind, s, chunk) for s in sets]
 
     def all_sets():
         for f in fns:
@@ -342,7 +351,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,bwd,sweep,prof,base")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,fwd-block,bwd,algo,sweep,prof,base")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     os.makedirs(args.out, exist_ok=True)
@@ -365,44 +374,56 @@ def main():
     S, N = 32, 128
     Ls = [128, 512, 2048, 8192, 16384]
     kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
-    for which in ("fwd", "bwd"):
-        if which in skip:
+    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("bwd", "auto")):
+        if which in skip or f"{which}-{algo}" in skip:
             continue
-        say(f"\n## {which}: B={S}, N={N}, must-move bandwidth (TB/s) and fraction of D2D; time in ms (CUDA graph)")
+        key = which if algo in ("auto", "warp") else f"{which}-{algo}"
+        say(f"\n## {which} ({algo} kernel): B={S}, N={N}, must-move bandwidth (TB/s) and fraction of D2D; "
+            "time in ms (CUDA graph)")
         say("| kind | " + " | ".join(f"L={L}" for L in Ls) + " |")
         say("|---|" + "---|" * len(Ls))
         for kind in kinds:
             cells = []
             for L in Ls:
-                ms, tbs, gr = time_kind(kind, S, L, N, which=which)
-                res[f"{which}/{kind}/{L}"] = dict(ms=ms, TBps=tbs, frac=tbs / bw, graphed=gr)
+                ms, tbs, gr = time_kind(kind, S, L, N, which=which, algo=algo)
+                res[f"{key}/{kind}/{L}"] = dict(ms=ms, TBps=tbs, frac=tbs / bw, graphed=gr)
                 cells.append(f"{ms:.4f} ms, {tbs:.2f} ({100 * tbs / bw:.0f}%)")
             say(f"| {kind} | " + " | ".join(cells) + " |")
+    if "algo" not in skip:
+        say("\n## warp vs block forward kernel at layer-like shapes (complex64, default chunk): ms")
+        say("| sequences | L | N | warp | block | block / warp |")
+        say("|---|---|---|---|---|---|")
+        for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128), (32, 4096, 256),
+                           (2048, 2048, 16)):
+            w = time_kind("c64", S_, L_, N_, which="fwd", algo="warp")[0]
+            bl = time_kind("c64", S_, L_, N_, which="fwd", algo="block")[0]
+            res[f"algo/{S_}/{L_}/{N_}"] = dict(warp=w, block=bl)
+            say(f"| {S_} | {L_} | {N_} | {w:.4f} | {bl:.4f} | {bl / w:.2f} |")
     if "sweep" not in skip:
-        say("\n## chunk sweep (fwd and bwd, B=32, N=128): ms")
-        say("| kind | L | dir | " + " | ".join(f"T={T}" for T in (4, 8, 16, 32, 64)) + " |")
-        say("|---|---|---|" + "---|" * 5)
-        for kind in ("split_f32", "split_bf16", "f32"):
+        say("\n## chunk sweep of the warp forward kernel (B=32, N=128): ms (fraction of D2D)")
+        say("| kind | L | dir | " + " | ".join(f"T={T}" for T in (16, 32, 64, 128, 256, 512)) + " |")
+        say("|---|---|---|" + "---|" * 6)
+        for kind in ("split_f32", "split_bf16", "c64", "f32"):
             for L in (2048, 16384):
-                for which in ("fwd", "bwd"):
+                for which in ("fwd",):
                     cells = []
-                    for T in (4, 8, 16, 32, 64):
+                    for T in (16, 32, 64, 128, 256, 512):
                         try:
-                            ms, tbs, _ = time_kind(kind, S, L, N, chunk=T, which=which)
+                            ms, tbs, _ = time_kind(kind, S, L, N, chunk=T, which=which, algo="warp")
                             cells.append(f"{ms:.4f} ({100 * tbs / bw:.0f}%)")
                         except Exception as e:
                             cells.append(f"err {type(e).__name__}")
                     say(f"| {kind} | {L} | {which} | " + " | ".join(cells) + " |")
     if "prof" not in skip:
-        say("\n## forward block anatomy (clock64 cycles per block, means; B=32, N=128)")
+        say("\n## warp forward kernel anatomy (clock64 cycles per block = one warp, means; B=32, N=128)")
         say("| kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
         say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for kind in ("split_f32", "split_bf16"):
-            for L, T in ((2048, None), (16384, None), (16384, 32), (16384, 8)):
+            for L, T in ((2048, None), (16384, None), (16384, 64), (16384, 512)):
                 s = inputs_for(kind, S, L, N, 1)[0]
-                fwd_fn(kind, s, T)()
+                fwd_fn(kind, s, T, "warp")()
                 K._state["profile"] = True
-                fwd_fn(kind, s, T)()
+                fwd_fn(kind, s, T, "warp")()
                 torch.cuda.synchronize()
                 K._state["profile"] = False
                 pr, _, C, TT = K._state.pop("last_profile")
@@ -431,8 +452,9 @@ def main():
             say(f"associative_scan unavailable ({type(e).__name__}: {str(e)[:200]}); using Hillis-Steele in torch")
             mode = "hillis_steele"
         say(f"baseline: {mode}")
-        say("| L | baseline ms | rel err vs kernel | c64 kernel ms | speedup | split_f32 speedup | split_bf16 speedup |")
-        say("|---|---|---|---|---|---|---|")
+        say("| L | baseline ms | rel err vs kernel | c64 warp kernel ms | speedup | c64 block kernel ms | speedup | "
+            "split_f32 speedup (warp) | split_bf16 speedup (warp) |")
+        say("|---|---|---|---|---|---|---|---|---|")
         for L in Ls:
             try:
                 ms, err = baseline(S, L, N, mode)
@@ -443,7 +465,9 @@ def main():
             k1 = res.get(f"fwd/split_f32/{L}", {}).get("ms", float("nan"))
             k2 = res.get(f"fwd/split_bf16/{L}", {}).get("ms", float("nan"))
             res[f"base/{L}"] = dict(ms=ms, err=err, mode=mode)
-            say(f"| {L} | {ms:.3f} | {err:.1e} | {kc:.4f} | {ms / kc:.0f}x | {ms / k1:.0f}x | {ms / k2:.0f}x |")
+            kb = res.get(f"fwd-block/c64/{L}", {}).get("ms", float("nan"))
+            say(f"| {L} | {ms:.3f} | {err:.1e} | {kc:.4f} | {ms / kc:.0f}x | {kb:.4f} | {ms / kb:.0f}x | "
+                f"{ms / k1:.0f}x | {ms / k2:.0f}x |")
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "pd_scan_bench.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -481,6 +481,268 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   if (prof && threadIdx.x == 0) prof[5] = clock64();
 }
 
+// ---------------------------------------------------------------- forward, one warp per chunk (N <= 32 E)
+// The scatter as a gather, one warp per (sequence, chunk), lane j-th entries m = lane + 32 j (E per lane).
+// A step: every lane threads its sources into per-destination lists (head[P[m]] <- m with integer
+// atomicExch, nxt[m] <- the previous head) and writes w[m] = D[m] x[m]; one __syncwarp; then each lane sums,
+// for its own destinations n, b[n] + w over n's list. No float atomics and no block barrier; the lists, w and
+// heads live in two alternating O(N) shared buffers (a buffer is rewritten two steps later, after every lane
+// passed the step in between), so shared memory does not grow with the chunk: many warps fit on an SM, which
+// is what hides the latency of a sequential recurrence. P, D, b are read from global memory (prefetched one
+// step ahead); the replay reads them again, mostly from L2.
+__host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
+  return align16(2 * N * 4) + 2 * align16(2 * N * 2) + 2 * align16(2 * N * asize);
+}
+
+template <typename A, int E>
+struct WarpStepIn {   // inputs of one step for a lane's E entries
+  int p[E];
+  A d[E], b[E];
+};
+
+template <int K, typename In, int E>
+__global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
+  using R = Arr<K, In>;
+  using A = typename R::A;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_ticket, s_fast;
+  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int lane = threadIdx.x;
+  int* err = a.counter + 1;
+  int* flags = a.counter + 2;
+  if (lane == 0) s_ticket = atomicAdd(a.counter, 1);
+  int* head = reinterpret_cast<int*>(smem);                                  // [2][N]
+  Idx* nxt = reinterpret_cast<Idx*>(smem + align16(2 * N * 4));              // [2][N]
+  A* wbuf = reinterpret_cast<A*>(smem + align16(2 * N * 4) + align16(2 * N * 2));   // [2][N]
+  // phase 1's per-entry gathers P_k[pi], D_k[pi] read the step's rows from here (owners store them)
+  Idx* prow = reinterpret_cast<Idx*>(smem + align16(2 * N * 4) + align16(2 * N * 2) + align16(2 * N * (int)sizeof(A)));
+  A* drow = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(prow) + align16(2 * N * 2));
+  for (int i = lane; i < 2 * N; i += 32) head[i] = -1;
+  __syncthreads();
+  const int tk = s_ticket;
+  const int c = tk / S, q = tk % S;
+  const int s0 = c * T;
+  long long* prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;
+  if (prof && lane == 0) prof[0] = clock64();
+  const int Tc = min(T, L - s0);
+  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;
+  if (lane == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
+  __syncthreads();
+  const bool fast = s_fast;
+  if (prof && lane == 0) {
+    prof[1] = clock64();
+    prof[6] = -1;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    prof[7] = smid;
+  }
+  auto live = [&](int j) { return 32 * j + lane < N; };
+  // P index checked where it is used (so that a prefetch stays a pure load): out of range -> 0 and `bad`,
+  // reported once at the end (a contract violation must not corrupt shared memory)
+  bool bad = false;
+  auto checked = [&](int v) {
+    const bool ok = static_cast<unsigned>(v) < static_cast<unsigned>(N);
+    bad |= !ok;
+    return ok ? v : 0;
+  };
+  auto gload = [&](const void* re, const void* im, size_t i) -> A {
+    if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(re) + i));
+    else if constexpr (K == SPLIT)
+      return make_float2(to_f(__ldg(static_cast<const In*>(re) + i)), to_f(__ldg(static_cast<const In*>(im) + i)));
+    else return __ldg(static_cast<const float2*>(re) + i);
+  };
+  auto load_step = [&](int k, WarpStepIn<A, E>& s) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if (live(j)) {
+        const size_t i = row0 + static_cast<size_t>(k) * N + lane + 32 * j;
+        s.p[j] = __ldg(a.P + i);
+        s.d[j] = gload(a.a0_re, a.a0_im, i);
+        s.b[j] = gload(a.a1_re, a.a1_im, i);
+      } else {
+        s.p[j] = 0;
+      }
+    }
+  };
+  // out <- base + scatter(dest, val): lists threaded with atomicExch, one __syncwarp, then a gather
+  int par = 0;
+  auto scatter_step = [&](const int (&dest)[E], const A (&val)[E], const A (&base)[E], A (&out)[E]) {
+    int* hd = head + par * N;
+    Idx* nx = nxt + par * N;
+    A* w = wbuf + par * N;
+    par ^= 1;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int m = lane + 32 * j;
+      if (live(j)) {
+        nx[m] = static_cast<Idx>(atomicExch(&hd[checked(dest[j])], m));
+        w[m] = val[j];
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int n = lane + 32 * j;
+      if (live(j)) {
+        A acc = base[j];
+        int h = hd[n];
+        hd[n] = -1;
+        for (; h >= 0; h = nx[h]) acc = addv(acc, w[h]);
+        out[j] = acc;
+      }
+    }
+  };
+
+  const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
+  A* agg_d = static_cast<A*>(a.agg_d);
+  A* agg_v = static_cast<A*>(a.agg_v);
+  A* incl = static_cast<A*>(a.incl);
+  const A* x0 = static_cast<const A*>(a.x0);
+
+  A x[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
+  WarpStepIn<A, E> cur, nx1, nx2;
+  A val[E];
+  if (fast) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int m = lane + 32 * j;
+      if (!live(j)) continue;
+      if (c == 0) {
+        if (x0) x[j] = x0[static_cast<size_t>(q) * N + m];
+      } else {
+        x[j] = ldcg_v(incl + (static_cast<size_t>(q) * C + c - 1) * N + m);
+      }
+    }
+  } else {
+    // 1. aggregate from a zero entering state: zero-state end y (the chain) and, per entering entry, where it
+    //    ends up (pi) with which factor (d) (per-lane gathers, independent of the chain: they overlap it)
+    A y[E], d[E];
+    int pi[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      y[j] = zero_v<A>();
+      d[j] = one_v<A>();
+      pi[j] = live(j) ? lane + 32 * j : 0;
+    }
+    load_step(0, cur);
+    if (Tc > 1) load_step(1, nx1);
+    for (int k = 0; k < Tc; ++k) {
+      if (k + 2 < Tc) load_step(k + 2, nx2);
+      Idx* pr = prow + par * N;   // the buffer parity scatter_step is about to use: its __syncwarp covers these
+      A* dr = drow + par * N;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        if (live(j)) {
+          pr[lane + 32 * j] = static_cast<Idx>(cur.p[j]);
+          dr[lane + 32 * j] = cur.d[j];
+        }
+        val[j] = cmul(cur.d[j], y[j]);
+      }
+      scatter_step(cur.p, val, cur.b, y);
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        d[j] = cmul(dr[pi[j]], d[j]);
+        pi[j] = checked(pr[pi[j]]);
+      }
+      cur = nx1;
+      nx1 = nx2;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int m = lane + 32 * j;
+      if (live(j)) {
+        a.agg_pi[cbase + m] = pi[j];
+        agg_d[cbase + m] = d[j];
+        agg_v[cbase + m] = y[j];
+      }
+    }
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 1);
+    if (prof && lane == 0) prof[2] = clock64();
+
+    // 2. look back to the nearest inclusive state; apply the aggregates in between (loads issued together)
+    const int jb = look_back(flags + static_cast<size_t>(q) * C, c - 1, -1, C);
+    if (prof && lane == 0) {
+      prof[3] = clock64();
+      prof[6] = c - 1 - jb;
+    }
+    A st[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int m = lane + 32 * j;
+      st[j] = zero_v<A>();
+      if (!live(j)) continue;
+      if (jb >= 0) st[j] = ldcg_v(incl + (static_cast<size_t>(q) * C + jb) * N + m);
+      else if (x0) st[j] = x0[static_cast<size_t>(q) * N + m];
+    }
+    constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
+    for (int i0 = jb + 1; i0 < c; i0 += LBW) {
+      int pb[LBW][E];
+      A db[LBW][E], yb[LBW][E];
+#pragma unroll
+      for (int u = 0; u < LBW; ++u) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          pb[u][j] = 0;
+          db[u][j] = zero_v<A>();
+          yb[u][j] = zero_v<A>();
+          if (live(j) && i0 + u < c) {
+            const size_t ib = (static_cast<size_t>(q) * C + i0 + u) * N + lane + 32 * j;
+            pb[u][j] = __ldcg(a.agg_pi + ib);
+            db[u][j] = ldcg_v(agg_d + ib);
+            yb[u][j] = ldcg_v(agg_v + ib);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < LBW; ++u) {
+        if (i0 + u < c) {
+#pragma unroll
+          for (int j = 0; j < E; ++j) val[j] = cmul(db[u][j], st[j]);
+          scatter_step(pb[u], val, yb[u], st);
+        }
+      }
+    }
+    // inclusive state at this chunk's end: y + scatter(pi, d * xin); x <- xin
+    A inc[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      val[j] = cmul(d[j], st[j]);
+      x[j] = st[j];
+    }
+    scatter_step(pi, val, y, inc);
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) incl[cbase + lane + 32 * j] = inc[j];
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+    if (prof && lane == 0) prof[4] = clock64();
+  }
+
+  // 3. replay from the entering state, writing x (inputs prefetched two steps ahead)
+  load_step(0, cur);
+  if (Tc > 1) load_step(1, nx1);
+  for (int k = 0; k < Tc; ++k) {
+    if (k + 2 < Tc) load_step(k + 2, nx2);
+#pragma unroll
+    for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
+    scatter_step(cur.p, val, cur.b, x);
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
+    cur = nx1;
+    nx1 = nx2;
+  }
+  if (fast) {
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) incl[cbase + lane + 32 * j] = x[j];
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+  }
+  if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(err, 1);
+  if (prof && lane == 0) prof[5] = clock64();
+}
+
 // ---------------------------------------------------------------- backward
 template <int K, typename In>
 __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
@@ -644,10 +906,19 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
 }
 
 // ---------------------------------------------------------------- host side
+constexpr int WARP_MAX_N = 256;   // the warp kernel keeps E = N / 32 <= 8 entries per lane in registers
+
+// 0 (no choice made by the caller) = the block kernel; the size-based policy lives in cuda.py
+__host__ __forceinline__ int fwd_algo(int N, int algo) {
+  if (algo == 2) return N <= WARP_MAX_N ? 2 : -1;
+  return 1;
+}
+
 template <int K, typename In>
-int smem_bytes(int N, int T, int Np, bool bwd) {
+int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
+  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);
@@ -659,17 +930,30 @@ template <int K, typename In>
 const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   static thread_local char msg[512];
   constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
-  const int Np = bwd ? (a.N + 31) / 32 * 32 : fwd_block(a.N, asize);
-  const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd);
+  const int algo = bwd ? 1 : fwd_algo(a.N, a.algo);
+  if (algo < 0) {
+    snprintf(msg, sizeof(msg), "the warp forward kernel takes N <= %d, got N=%d", WARP_MAX_N, a.N);
+    return msg;
+  }
+  const int Np = bwd ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
+  const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
-  // variants: 0 backward, 1..4 forward with 1, 2, 4, 8 per-warp buffers, 5 forward with atomics
-  const int v = bwd ? 0 : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
+  const int E = (a.N + 31) / 32;
+  // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
+  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane
+  const int v = bwd ? 0
+              : algo == 2 ? (E <= 1 ? 6 : E <= 2 ? 7 : E <= 4 ? 8 : 9)
+                          : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
   void (*kern)(ScanArgs) = v == 0 ? pd_bwd_kernel<K, In>
                          : v == 1 ? pd_fwd_kernel<K, In, 1>
                          : v == 2 ? pd_fwd_kernel<K, In, 2>
                          : v == 3 ? pd_fwd_kernel<K, In, 4>
                          : v == 4 ? pd_fwd_kernel<K, In, 8>
-                                  : pd_fwd_kernel<K, In, 0>;
+                         : v == 5 ? pd_fwd_kernel<K, In, 0>
+                         : v == 6 ? pd_fwd_warp_kernel<K, In, 1>
+                         : v == 7 ? pd_fwd_warp_kernel<K, In, 2>
+                         : v == 8 ? pd_fwd_warp_kernel<K, In, 4>
+                                  : pd_fwd_warp_kernel<K, In, 8>;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
@@ -677,7 +961,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     return msg;
   }
   // per device and variant: the dynamic shared-memory limit already set (static shared memory counts too)
-  static int raised[64][6] = {};
+  static int raised[64][10] = {};
   int dev = 0;
   cudaGetDevice(&dev);
   int& done = raised[dev & 63][v];
@@ -706,13 +990,17 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
 
 }  // namespace pdk
 
+int pd_scan_fwd_algo(int N, int algo) { return pdk::fwd_algo(N, algo); }
+
 // kind: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (kinds 0, 1)
-int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd) {
+int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo) {
   using namespace pdk;
   const int Np = (N + 31) / 32 * 32;
-  if (kind == REAL) return bf16 ? smem_bytes<REAL, __nv_bfloat16>(N, T, Np, bwd) : smem_bytes<REAL, float>(N, T, Np, bwd);
-  if (kind == SPLIT) return bf16 ? smem_bytes<SPLIT, __nv_bfloat16>(N, T, Np, bwd) : smem_bytes<SPLIT, float>(N, T, Np, bwd);
-  return smem_bytes<CPLX, float>(N, T, Np, bwd);
+  if (kind == REAL)
+    return bf16 ? smem_bytes<REAL, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<REAL, float>(N, T, Np, bwd, algo);
+  if (kind == SPLIT)
+    return bf16 ? smem_bytes<SPLIT, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<SPLIT, float>(N, T, Np, bwd, algo);
+  return smem_bytes<CPLX, float>(N, T, Np, bwd, algo);
 }
 
 const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {

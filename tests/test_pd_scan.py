@@ -101,3 +101,17 @@ def test_errors_name_the_problem():
         pd_scan(P + 4, D, D)
     with pytest.raises(TypeError, match="real floating or complex"):
         pd_scan(P, P, P)
+
+
+def test_cuda_forward_kernel_policy_without_a_gpu():
+    """The size policy that picks the CUDA forward kernel (pure Python: checked here, timed in BENCHMARKS)."""
+    from llm_surgery.ops.pd_scan import cuda
+    assert cuda._algo_code("auto", 32, 16384, 128, False) == 2    # long sequences: the warp kernel
+    assert cuda._algo_code("auto", 512, 1024, 32, False) == 2     # many sequences
+    assert cuda._algo_code("auto", 32, 2048, 128, False) == 1     # too few warps: the block kernel
+    assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # warp kernel stops at N=256
+    assert cuda._algo_code("block", 512, 4096, 32, False) == 1
+    with pytest.raises(ValueError, match="N <= 256"):
+        cuda._algo_code("warp", 1, 10, 300, False)
+    with pytest.raises(ValueError, match="algo must be one of"):
+        cuda._algo_code("fastest", 1, 10, 30, False)

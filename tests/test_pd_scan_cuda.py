@@ -60,13 +60,16 @@ def _rel(a, ref):
 @pytest.mark.parametrize("L,N,chunk", [(1, 16, None), (127, 64, None), (129, 128, None), (300, 256, 4),
                                        (513, 32, 1), (200, 600, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
-def test_forward_backward_match_reference(L, N, chunk, dtype):
+@pytest.mark.parametrize("algo", ["warp", "block"])
+def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
+    if algo == "warp" and N > 256:
+        algo = "auto"   # the warp kernel stops at N=256; auto runs the block kernel there
     K = _cuda()
     cplx = dtype.is_complex
     P, D, b, x0, gx = _inputs(2, L, N, cplx, seed=L * N)
     x_ref, gD_ref, gb_ref, gx0_ref = _ref_grads(P, D, b, x0, gx)
     Pk = P.to(torch.int32)
-    x = K.pd_scan_fwd_cuda(Pk, D.to(dtype), b.to(dtype), x0.to(dtype), chunk=chunk)
+    x = K.pd_scan_fwd_cuda(Pk, D.to(dtype), b.to(dtype), x0.to(dtype), chunk=chunk, algo=algo)
     assert x.dtype == dtype and x.shape == b.shape
     assert _rel(x, x_ref) < 1e-5
     gD, gb, gx0 = K.pd_scan_bwd_cuda(Pk, D.to(dtype), x0.to(dtype), x, gx.to(dtype), chunk=chunk)
@@ -74,7 +77,8 @@ def test_forward_backward_match_reference(L, N, chunk, dtype):
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide"])
-def test_split_bf16_and_collisions(pmode):
+@pytest.mark.parametrize("algo", ["warp", "block"])
+def test_split_bf16_and_collisions(pmode, algo):
     K = _cuda()
     P, D, b, x0, gx = _inputs(3, 700, 128, True, pmode=pmode, seed=7)
     bf = lambda t: t.to(torch.bfloat16).contiguous()
@@ -82,7 +86,7 @@ def test_split_bf16_and_collisions(pmode):
     c = lambda r, i: torch.complex(r.double(), i.double())
     Ds, bs, gs = c(Dr, Di), c(br, bi), c(gr, gi)   # the inputs as the kernel sees them
     x_ref, gD_ref, gb_ref, gx0_ref = _ref_grads(P, Ds, bs, x0, gs)
-    xr, xi = K.pd_scan_fwd_cuda_split(P.to(torch.int16), Dr, Di, br, bi, x0.to(torch.complex64))
+    xr, xi = K.pd_scan_fwd_cuda_split(P.to(torch.int16), Dr, Di, br, bi, x0.to(torch.complex64), algo=algo)
     assert xr.dtype == torch.bfloat16
     assert _rel(c(xr, xi), x_ref) < 1e-2
     gDr, gDi, gbr, gbi, gx0 = K.pd_scan_bwd_cuda_split(P, Dr, Di, x0.to(torch.complex64), xr, xi, gr, gi)
@@ -126,5 +130,10 @@ def test_bad_inputs_raise_clear_errors():
         K.pd_scan_fwd_cuda(P, D.float()[:, :4], b.float())
     with pytest.raises(ValueError, match=r"\[0, N=16\)"):
         K.pd_scan_fwd_cuda(P + 16, D.float(), b.float(), validate=True)
+    with pytest.raises(ValueError, match="algo must be one of"):
+        K.pd_scan_fwd_cuda(P, D.float(), b.float(), algo="fast")
+    P600, D600, b600, _, _ = _inputs(1, 8, 600, False)
+    with pytest.raises(ValueError, match="N <= 256"):
+        K.pd_scan_fwd_cuda(P600, D600.float(), b600.float(), algo="warp")
     with pytest.raises(ValueError, match="CUDA tensor"):
         K.pd_scan_fwd_cuda(P.cpu(), D.float(), b.float())

@@ -124,17 +124,18 @@ class FlashPDSSM(nn.Module):
         return column_argmax(self.dictionary)
 
     def _ssm_inputs(self, u: torch.Tensor):
-        """u [B,L,d_inner] -> selector logits [B,H,L,K], D and b [B,H,L,N] (float32 / complex64)."""
+        """u [B,L,d_inner] -> selector logits [B,H,L,K], D and b [B,H,L,N] (float32 / complex64).
+
+        The two projections run in u's dtype (bf16 in mixed precision: tensor cores, as Mamba2's dt/B/C
+        projections do); everything after them is float32 at least (float64 when asked)."""
         Bsz, L, _ = u.shape
         H, P, N, K = self.num_heads, self.head_dim, self.state_size, self.dict_size
-        cd = torch.promote_types(u.dtype, torch.float32)  # scan in float32 at least (float64 when asked)
-        proj = F.linear(u.to(cd), self.x_proj.weight.to(cd))  # logits of the hard argmaxes in float32
+        cd = torch.promote_types(u.dtype, torch.float32)
+        proj = F.linear(u, self.x_proj.weight.to(u.dtype)).to(cd)
         proj = proj.view(Bsz, L, H, -1).transpose(1, 2)  # [B,H,L,K+N(+N)]
         sel = proj[..., :K]
         log_mag = -F.softplus(proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N))
-        uh = u.to(cd).view(Bsz, L, H, P)
-        Bw = self.B.to(cd)
-        b_parts = torch.einsum("blhp,hnpc->bhlnc", uh, Bw)
+        b_parts = torch.einsum("blhp,hnpc->bhlnc", u.view(Bsz, L, H, P), self.B.to(u.dtype)).to(cd)
         if self.complex:
             D = torch.polar(torch.exp(log_mag), proj[..., K + N:K + 2 * N])
             b = torch.complex(b_parts[..., 0], b_parts[..., 1])
@@ -151,15 +152,16 @@ class FlashPDSSM(nn.Module):
         return sel, D, b
 
     def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Re(C_h x_t) + D_skip * u -> [B, L, d_inner] in the scan's real dtype."""
+        """Re(C_h x_t) + D_skip * u -> [B, L, d_inner], in u's dtype (one real matmul over [Re x, Im x])."""
         Bsz, H, L, N = x.shape
-        cd = x.real.dtype
-        Cw = self.C.to(cd)
+        dt = u.dtype
         if self.complex:
-            y = torch.einsum("bhln,hpn->blhp", x.real, Cw[..., 0]) - torch.einsum("bhln,hpn->blhp", x.imag, Cw[..., 1])
+            xs = torch.cat([x.real, x.imag], dim=-1).to(dt)                        # [B,H,L,2N]
+            Cw = torch.cat([self.C[..., 0], -self.C[..., 1]], dim=-1).to(dt)       # [H,P,2N]
         else:
-            y = torch.einsum("bhln,hpn->blhp", x, Cw[..., 0])
-        y = y + self.D_skip.to(cd) * u.to(cd).view(Bsz, L, H, self.head_dim)
+            xs, Cw = x.to(dt), self.C[..., 0].to(dt)
+        y = torch.einsum("bhln,hpn->blhp", xs, Cw)
+        y = y + self.D_skip.to(dt) * u.view(Bsz, L, H, self.head_dim)
         return y.reshape(Bsz, L, self.d_inner)
 
     def initial_state(self, batch_size: int) -> torch.Tensor:

@@ -17,7 +17,11 @@ Calling forms (all tensors on one CUDA device, shapes `[..., L, N]`, leading dim
 
 All arithmetic is float32 (complex as pairs of float32); P is read as int16 (other integer dtypes are converted).
 float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
-the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs.
+the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
+`algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
+N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: "warp" for N <= 256
+when L >= 4096 or sequences * L >= 2**19, where it measured 1.2-2.1x faster on the H200, else "block";
+docs/bench/kernels.md).
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
 """
@@ -157,21 +161,44 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def _default_chunk(ext, kind, bf16, bwd, S, L, N, device):
-    """Largest chunk (<= 16 steps, the best measured on H200 at N=128) that fits 64 KB of shared memory and
-    still gives >= 4 blocks per SM."""
+_ALGOS = {"auto": 0, "block": 1, "warp": 2}
+
+
+def _algo_code(algo, S, L, N, bwd):
+    """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
+    if algo not in _ALGOS:
+        raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
+    if algo == "warp" and N > 256 and not bwd:
+        raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
+    if algo == "auto":   # the warp kernel needs enough sequence-steps to fill the GPU with warps
+        return 2 if N <= 256 and (L >= 4096 or S * L >= 1 << 19) else 1
+    return _ALGOS[algo]
+
+
+def _default_chunk(ext, kind, bf16, bwd, S, L, N, device, algo):
+    """Block kernels: the largest chunk <= 16 steps (best measured on H200 at N=128) within 64 KB of shared
+    memory and >= 4 blocks per SM. Warp kernel (one warp per block, shared memory independent of the chunk):
+    about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk sweep in
+    docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not bwd and ext.fwd_algo(N, algo) == 2:
+        T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
+        while T > 16 and S * -(-L // T) < 4 * sms:
+            T //= 2
+        return T
+    budget, per_sm = 64 * 1024, 4
     T = 16
-    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd) > 64 * 1024 or S * -(-L // T) < 4 * sms):
+    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > budget or S * -(-L // T) < per_sm * sms):
         T //= 2
-    while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd) > 200 * 1024:
+    while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
     return T
 
 
-def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk):
+def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
-    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, device)
+    code = _algo_code(algo, S, L, N, bwd)
+    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, device, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
@@ -186,7 +213,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk):
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof)]
     with torch.cuda.device(device):
-        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C], torch.cuda.current_stream(device).cuda_stream)
+        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code],
+                   torch.cuda.current_stream(device).cuda_stream)
     return counter
 
 
@@ -210,12 +238,12 @@ def _planes(t):
 
 
 # ---------------------------------------------------------------- public entry points
-def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None):
+def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None, algo="auto"):
     """x_t[n] = b_t[n] + sum_{m: P_t[m]=n} D_t[m] x_{t-1}[m] on the GPU; x in b's dtype."""
     S, L, N = _check_common(P, (D, b), x0, ("D", "b"))
     if b.dtype == torch.float16:
         x = pd_scan_fwd_cuda(P, D.float(), b.float(), None if x0 is None else x0.float(), chunk=chunk,
-                             validate=validate)
+                             validate=validate, algo=algo)
         return x.half()
     kind, bf16 = _kind_of(b.dtype)
     Pc = _idx(P, N, validate)
@@ -225,7 +253,7 @@ def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None):
         return x
     x0c = _x0_fp32(x0, S, N, kind == _CPLX)
     ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(bc) + [0, 0] + _planes(x) + [0, 0]
-    _run(kind, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk)
+    _run(kind, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
     return x
 
 
@@ -252,7 +280,8 @@ def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=Non
     return gD, gb, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)
 
 
-def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, validate=False, out=None):
+def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, validate=False, out=None,
+                           algo="auto"):
     """Complex pd_scan with D, b as real/imaginary planes (float32 or bfloat16); returns (x_re, x_im)."""
     S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"))
     if D_re.dtype not in (torch.float32, torch.bfloat16):
@@ -265,7 +294,7 @@ def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, va
     x0c = _x0_fp32(x0, S, N, True)
     ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), br.data_ptr(), bi.data_ptr(), 0, 0,
             xr.data_ptr(), xi.data_ptr(), 0, 0]
-    _run(_SPLIT, D_re.dtype == torch.bfloat16, False, S, L, N, ptrs, x0c, None, P.device, chunk)
+    _run(_SPLIT, D_re.dtype == torch.bfloat16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
     return xr, xi
 
 

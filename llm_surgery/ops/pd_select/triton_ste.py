@@ -3,7 +3,10 @@
   r[b,h,t,k]  = sum_m Re(conj(lam[b,h,t,P_dict[h,k,m]]) * dx[b,h,t,m])   one program per (token block, head, batch):
                 lam and dx are loaded once, every member's gather happens in registers (tl.gather).
   G[h,k,n,m]  = sum_{tokens with k*=k} Re(conj(lam[n]) dx[m])            tokens sorted by (head, k*), then one
-                program per (head, member, output tile) runs a segmented GEMM over its tokens with tl.dot.
+                program per (head, member, slice of SEG tokens, output tile) runs a GEMM over its slice with
+                tl.dot and adds it into G atomically. Slicing matters: selections are often skewed (early in
+                training one member takes most tokens of a head), and one program per member would then walk
+                all B*L tokens alone.
 
 Both read lam and dx once (plus the sort's index), so the backward of the selection costs about as much memory
 traffic as one more pass over the state, instead of K passes. Used on CUDA when Triton imports.
@@ -44,16 +47,20 @@ def _selector_grad_kernel(lam_ptr, dx_ptr, p_ptr, r_ptr, L,
 
 @triton.jit
 def _dictionary_grad_kernel(lam_ptr, dx_ptr, order_ptr, start_ptr, g_ptr, L, T,
-                            s_b, s_h, s_l, s_n,
+                            s_b, s_h, s_l, s_n, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                            COMPLEX: tl.constexpr):
+                            SEG: tl.constexpr, COMPLEX: tl.constexpr):
     hk = tl.program_id(0)
-    tile_n = tl.program_id(1)
-    tile_m = tl.program_id(2)
+    piece = tl.program_id(1)
+    tile = tl.program_id(2)
+    tile_n = tile // TILES
+    tile_m = tile - tile_n * TILES
     h = hk // K
     k = hk - h * K
-    begin = tl.load(start_ptr + h * (K + 1) + k)
-    end = tl.load(start_ptr + h * (K + 1) + k + 1)
+    first = tl.load(start_ptr + h * (K + 1) + k)
+    last = tl.load(start_ptr + h * (K + 1) + k + 1)
+    begin = first + piece * SEG
+    end = tl.minimum(last, begin + SEG)
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tile_m * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_T)
@@ -76,7 +83,7 @@ def _dictionary_grad_kernel(lam_ptr, dx_ptr, order_ptr, start_ptr, g_ptr, L, T,
             c = tl.load(dx_ptr + dm + 1, mask=dmask, other=0.0)
             acc += tl.dot(tl.trans(a), c, input_precision="ieee")
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
-    tl.store(out, acc, mask=(n[:, None] < N) & (m[None, :] < N))
+    tl.atomic_add(out, acc, mask=(n[:, None] < N) & (m[None, :] < N) & (begin < end), sem="relaxed")
 
 
 def _planes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -105,9 +112,12 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam: torch.Tenso
     order = torch.argsort(keys, dim=-1, stable=True).to(torch.int32).contiguous()  # token = b * L + l
     counts = torch.zeros(H, K, device=lam.device, dtype=torch.int64).scatter_add_(1, keys, torch.ones_like(keys))
     starts = torch.cat([counts.new_zeros(H, 1), counts.cumsum(1)], dim=1).to(torch.int32).contiguous()  # [H, K+1]
-    G = torch.empty(H, K, N, N, device=lam.device, dtype=torch.float32)
+    G = torch.zeros(H, K, N, N, device=lam.device, dtype=torch.float32)
     bn = min(64, block_n)
-    _dictionary_grad_kernel[(H * K, triton.cdiv(N, bn), triton.cdiv(N, bn))](
-        lam_f, dx_f, order, starts, G, L, T, s_b, s_h, s_l, s_n,
-        K=K, N=N, BLOCK_N=bn, BLOCK_T=32, COMPLEX=cplx, num_warps=4)
+    seg = 512
+    pieces = max(1, triton.cdiv(int(counts.max()), seg))   # one host sync: the grid must cover the largest member
+    tiles = triton.cdiv(N, bn)
+    _dictionary_grad_kernel[(H * K, pieces, tiles * tiles)](
+        lam_f, dx_f, order, starts, G, L, T, s_b, s_h, s_l, s_n, tiles,
+        K=K, N=N, BLOCK_N=bn, BLOCK_T=32, SEG=seg, COMPLEX=cplx, num_warps=4)
     return G, r
