@@ -108,7 +108,9 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     from llm_surgery.ops.pd_scan import cuda
     assert cuda._algo_code("auto", 32, 16384, 128, False) == 2    # long sequences: the warp kernel
     assert cuda._algo_code("auto", 512, 1024, 32, False) == 2     # many sequences
-    assert cuda._algo_code("auto", 32, 2048, 128, False) == 1     # too few warps: the block kernel
+    assert cuda._algo_code("auto", 32, 4096, 256, False) == 2     # large state
+    assert cuda._algo_code("auto", 32, 8192, 128, False) == 1     # too few warps: the block kernel
+    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 1   # bf16 inputs: block
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # warp kernel stops at N=256
     assert cuda._algo_code("block", 512, 4096, 32, False) == 1
     with pytest.raises(ValueError, match="N <= 256"):

@@ -19,9 +19,9 @@ All arithmetic is float32 (complex as pairs of float32); P is read as int16 (oth
 float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
-N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: "warp" for N <= 256
-when L >= 4096 or sequences * L >= 2**19, where it measured 1.2-2.1x faster on the H200, else "block";
-docs/bench/kernels.md).
+N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: "warp" for float32
+and complex64 inputs with N <= 256 when sequences * L >= 2**19 or N = 256, where it measured 1.2-2.1x faster on
+the H200, else "block"; docs/bench/kernels.md).
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
 """
@@ -164,14 +164,16 @@ def _ptr(t):
 _ALGOS = {"auto": 0, "block": 1, "warp": 2}
 
 
-def _algo_code(algo, S, L, N, bwd):
+def _algo_code(algo, S, L, N, bwd, bf16=False):
     """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
     if algo not in _ALGOS:
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
-    if algo == "auto":   # the warp kernel needs enough sequence-steps to fill the GPU with warps
-        return 2 if N <= 256 and (L >= 4096 or S * L >= 1 << 19) else 1
+    if algo == "auto":   # measured on the H200 (docs/bench/kernels.md): the warp kernel needs enough
+        # sequence-steps to fill the GPU with warps, or a state large enough to slow the block kernel's barrier;
+        # with bf16 inputs it never won
+        return 2 if not bf16 and N <= 256 and (S * L >= 1 << 19 or N >= 256) else 1
     return _ALGOS[algo]
 
 
@@ -197,7 +199,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, device, algo):
 
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
-    code = _algo_code(algo, S, L, N, bwd)
+    code = _algo_code(algo, S, L, N, bwd, bool(bf16))
     T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, device, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
