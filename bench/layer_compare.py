@@ -77,10 +77,7 @@ def main():
     from llm_surgery.layers.registry import build_mixer
 
     if args.quick_autotune:
-        import os
-        import sys
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from mixers_cuda_vs_cpu import quick_autotune
+        from llm_surgery.triton_autotune import quick_autotune
         quick_autotune()
     if args.profile:
         profile(build_mixer, args)

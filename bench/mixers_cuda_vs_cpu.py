@@ -23,7 +23,6 @@ import datetime
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import sys
@@ -32,26 +31,7 @@ import time
 import torch
 
 from llm_surgery.layers.registry import MIXER_KINDS, build_mixer, default_options
-
-
-def quick_autotune() -> None:
-    """Make every Triton autotuner keep the first config that compiles and runs, skipping the others."""
-    from triton.runtime.autotuner import Autotuner
-
-    prune, bench = Autotuner.prune_configs, Autotuner._bench
-
-    def prune_configs(self, kwargs, *args, **kw):
-        self._quick_found = False
-        return prune(self, kwargs, *args, **kw)
-
-    def _bench(self, *args, config, **meta):
-        if getattr(self, "_quick_found", False):
-            return [float("inf")] * 3
-        timing = bench(self, *args, config=config, **meta)
-        self._quick_found = math.isfinite(timing[0] if isinstance(timing, (list, tuple)) else timing)
-        return timing
-
-    Autotuner.prune_configs, Autotuner._bench = prune_configs, _bench
+from llm_surgery.triton_autotune import quick_autotune
 
 
 @contextlib.contextmanager

@@ -20,8 +20,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
-import sys
 import time
 
 import torch
@@ -29,16 +27,7 @@ import torch
 from llm_surgery.hosts import build_host
 from llm_surgery.insert import count_parameters, insert_layers, inserted_layers, remove_inserted
 from llm_surgery.insert.host import attention_layers
-
-
-def quick_autotune() -> None:
-    """Keep the first Triton config that runs (full autotuning costs minutes per kernel on a first call)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        from mixers_cuda_vs_cpu import quick_autotune as patch
-        patch()
-    except Exception as exc:  # noqa: BLE001 - without Triton there is nothing to patch
-        print(f"(quick autotune not applied: {exc!r})")
+from llm_surgery.triton_autotune import quick_autotune
 
 
 def perturb(model, seed: int, std: float = 0.02) -> None:

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from llm_surgery import automata
-from llm_surgery.ops.pd_scan import pd_scan
 
 CASES = {
     "parity": automata.parity(),

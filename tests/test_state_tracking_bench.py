@@ -7,22 +7,59 @@ import torch
 
 from llm_surgery.bench.state_tracking.__main__ import _seeds, main, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
-from llm_surgery.bench.state_tracking.train import TrainConfig, lr_at, max_train_len, train
+from llm_surgery.bench.state_tracking.train import (KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig, candidate_seed,
+                                                    cli_defaults, lr_at, max_train_len, preset_for, progress, train)
 from llm_surgery.layers import FlashPDSSM
 
 
 def test_lr_schedule_warms_up_then_decays():
     cfg = TrainConfig(steps=100, lr=1e-3, warmup_frac=0.1)
-    lrs = [lr_at(s, cfg) for s in range(100)]
+    lrs = [lr_at(progress(s, 0.0, cfg), cfg) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 1e-5
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 1e-5
 
 
 def test_curriculum_ramps_to_max_len():
     cfg = TrainConfig(steps=100, curriculum_frac=0.5, min_len=1, max_len=40)
-    assert max_train_len(0, cfg) == 2 and max_train_len(50, cfg) == 40 and max_train_len(99, cfg) == 40
-    assert max_train_len(25, cfg) == 21
-    assert max_train_len(0, TrainConfig(steps=100)) == 40
+    assert max_train_len(0.0, cfg) == 2 and max_train_len(0.5, cfg) == 40 and max_train_len(0.99, cfg) == 40
+    assert max_train_len(0.25, cfg) == 21
+    assert max_train_len(0.0, TrainConfig(steps=100)) == 40
+
+
+def test_progress_runs_on_time_under_a_time_limit():
+    """A time-limited run reaches the end of its schedules (lr -> 0, full curriculum) when time runs out."""
+    cfg = TrainConfig(steps=100_000, time_limit_s=10.0, curriculum_frac=0.3)
+    assert progress(10, 1.0, cfg) == pytest.approx(0.1) and progress(50_000, 1.0, cfg) == pytest.approx(0.5)
+    assert progress(10, 12.0, cfg) == 1.0 and lr_at(1.0, cfg) < 1e-12 and max_train_len(0.3, cfg) == 40
+    assert progress(10, 5.0, TrainConfig(steps=100)) == pytest.approx(0.1)  # no limit: steps only
+
+
+def test_restarts_continue_the_candidate_with_the_lowest_training_loss():
+    cfg = TrainConfig(task="parity", n_layers=1, d_model=16, steps=20, batch_size=8, eval_lengths=(40,),
+                      eval_batch=8, restarts=3, restart_frac=0.25, mixer=dict(num_heads=2))
+    r = train(cfg)
+    assert len(r["restart_losses"]) == 3 and r["steps_run"] == 20
+    best = min(range(3), key=lambda i: r["restart_losses"][i])
+    assert r["chosen_seed"] == candidate_seed(0, best) and candidate_seed(0, 0) == 0
+    plain = train(TrainConfig(**{**cfg.__dict__, "restarts": 1}))
+    assert plain["restart_losses"] == [] and plain["chosen_seed"] == 0
+    with pytest.raises(ValueError, match="restart"):
+        TrainConfig(restarts=2, restart_frac=1.0)
+
+
+def test_cli_defaults_per_kind():
+    p = cli_defaults("pdssm", task="s3", n_layers=1)
+    assert p.mixer == PDSSM_PRESETS["robust"] and p.task == "s3"  # auto: one layer -> robust
+    assert cli_defaults("pdssm", n_layers=2).mixer == {} and cli_defaults("pdssm").mixer == {}  # deeper -> layer
+    assert cli_defaults("pdssm", preset="robust", n_layers=2, mixer={"conv_kernel": 4}).mixer == {
+        **PDSSM_PRESETS["robust"], "conv_kernel": 4}
+    assert preset_for(1) == "robust" and preset_for(3, "layer") == "layer"
+    with pytest.raises(ValueError, match="preset"):
+        preset_for(1, "fast")
+    assert p.curriculum_frac == KIND_DEFAULTS["pdssm"].get("curriculum_frac", 0.0)
+    assert cli_defaults("pdssm", preset="layer", mixer={"complex": False}).mixer == {"complex": False}
+    m = cli_defaults("mamba2", curriculum_frac=None)
+    assert m.mixer == {} and m.curriculum_frac == 0.0 and m.restarts == 1  # baselines: appendix B.1 as is
 
 
 def test_config_errors():
@@ -43,12 +80,15 @@ def test_seeds_parsing():
 def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
     out = tmp_path / "results.jsonl"
     main(["--kind", "pdssm", "--task", "parity,cycle_navigation", "--steps", "3", "--seeds", "2", "--layers", "1",
-          "--d-model", "16", "--batch-size", "4", "--robust", "--eval-lengths", "40,256", "--eval-batch", "8",
+          "--d-model", "16", "--batch-size", "4", "--eval-lengths", "40,256", "--eval-batch", "8",
           "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and {r["task"] for r in rows} == {"parity", "cycle_navigation"}
     assert all(r["steps_run"] == 3 and 0 <= r["acc_mean"] <= 1 and set(r["acc"]) >= {"40", "256"} for r in rows)
-    assert rows[0]["config"]["mixer"]["b_gate"] == "decay"
+    assert rows[0]["config"]["mixer"]["b_gate"] == "decay"  # one layer: the robust preset by default
+    main(["--task", "parity", "--steps", "2", "--seeds", "1", "--layers", "1", "--d-model", "16", "--batch-size", "4",
+          "--preset", "layer", "--eval-lengths", "40", "--eval-batch", "4", "--out", str(out)])
+    assert json.loads(out.read_text().splitlines()[-1])["config"]["mixer"] == {}
     text = capsys.readouterr().out
     assert "| pdssm | parity | 2 |" in text
     with pytest.raises(SystemExit):

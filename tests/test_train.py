@@ -379,3 +379,25 @@ def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
     assert res["test"]["num_examples"] > 0
     weights = load_file(out / "final" / "inserted.safetensors")
     assert {v.dtype for v in weights.values()} <= {torch.float32, torch.complex64}
+
+
+@pytest.mark.slow
+def test_multi_gpu_script_on_cpu(tmp_path):
+    """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, 1- then 2-process launches of the granite3b
+    recipe, every rank's throughput in results.json and metrics.jsonl, one table row per launch."""
+    out = tmp_path / "mg"
+    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "6",
+                           "--max-eval-examples", "40", "--out", str(out), "--", "--num-sequences", "20",
+                           "--test-max-ops", "8", "--eval-batch-size", "64"],
+                          env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "multi_gpu.json").read_text())
+    assert [r["num_processes"] for r in summary["runs"]] == [1, 2]
+    two = summary["runs"][1]["throughput"]
+    assert len(two["tokens_per_s_by_process"]) == 2 and all(v > 0 for v in two["tokens_per_s_by_process"])
+    assert two["tokens_per_s_total"] == pytest.approx(sum(two["tokens_per_s_by_process"]))
+    logged = [r["throughput"] for r in read_jsonl(out / "np2" / "metrics.jsonl") if "throughput" in r]
+    assert logged == [two]
+    rows = [line for line in (out / "multi_gpu.md").read_text().splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    assert len(rows) == 2 and rows[0].split("|")[4].strip() == "100%"

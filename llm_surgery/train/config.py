@@ -74,6 +74,9 @@ class TrainConfig:
                                                                    "CUDA, no on CPU"})
     fsdp: bool = field(default=False, metadata={"help": "shard host and inserted layers with FSDP2"})
     cpu: bool = False
+    quick_autotune: bool = field(default=False, metadata={
+        "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the first config that runs instead of timing all "
+                "(minutes saved on a first call; kernels may be slower)"})
 
     # evaluation, logging, checkpoints
     output_dir: str = "runs/latest"

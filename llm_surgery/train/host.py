@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -107,49 +106,79 @@ def pretrain_host(cfg, log=print) -> Path:
     Runs in one process (the caller makes the other ranks wait); the result is written to a temporary
     directory and renamed, so an interrupted pretraining never leaves a half-written cache entry.
     """
-    from llm_surgery.box_data import BoxCollator, build_box_tokenizer
+    from llm_surgery.box_data import build_box_tokenizer
 
-    from .data import ShardedBatchSampler, TokenizedBox, make_splits
+    from .data import make_splits
 
     out = tiny_host_dir(cfg)
     if (out / "config.json").is_file():
         return out
     tokenizer = build_box_tokenizer()
     model = build_tiny(cfg.tiny_host, len(tokenizer), cfg.seed)
-    model.train()
     splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.train_max_ops)
-    data = TokenizedBox(tokenizer, splits["train"])
-    batch_size = 16
-    sampler = ShardedBatchSampler(len(data), batch_size, 0, 1, cfg.seed)
-    loader = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler,
-                                              collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.1)
-    warmup = max(1, cfg.pretrain_steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, cfg.pretrain_steps - warmup))))))
     log(f"pretraining the embedded tiny {cfg.tiny_host} host ({sum(p.numel() for p in model.parameters()):,} "
         f"params) for {cfg.pretrain_steps} steps on Box IID data; cached at {out}")
-    t0, loss = time.time(), float("nan")
-    for step in range(cfg.pretrain_steps):
-        batch = next(loader)
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % 50 == 0 or step + 1 == cfg.pretrain_steps:
-            log(f"  pretrain step {step + 1}/{cfg.pretrain_steps} loss {loss.item():.4f} "
-                f"({time.time() - t0:.0f}s)")
+    loss = pretrain(model, tokenizer, splits["train"], steps=cfg.pretrain_steps, batch_size=16,
+                    lr=cfg.pretrain_lr, seed=cfg.seed, log=log)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "pretrain.json").write_text(json.dumps({**tiny_host_spec(cfg), "final_loss": loss.item()}, indent=2))
+    (tmp / "pretrain.json").write_text(json.dumps({**tiny_host_spec(cfg), "final_loss": loss}, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():  # another process finished first: keep theirs
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, out)
     return out
+
+
+def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: float, seed: int = 0,
+             warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0, all_tokens: bool = False,
+             device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None, log=print,
+             log_every: int = 50, on_eval=None, eval_every: int = 0, max_seconds: float | None = None) -> float:
+    """Train every weight of `model` on Box `records` (AdamW, weight decay 0.1, clipping 1.0, linear warm-up then
+    cosine to `min_lr_ratio` x lr); returns the last loss. `all_tokens` puts the loss on every real token (the
+    context too, where naming the box of a moved object is itself a state-tracking target) instead of on the
+    completion only. `on_eval(step)` is called every `eval_every` steps and at the end (model in eval mode).
+    `max_seconds` ends training early (a wall-clock budget; the schedule is not stretched to fit)."""
+    from llm_surgery.box_data import BoxCollator
+
+    from .data import ShardedBatchSampler, TokenizedBox
+    from .schedule import build_scheduler
+
+    device = torch.device(device)
+    model.to(device).train()
+    data = TokenizedBox(tokenizer, records)
+    sampler = ShardedBatchSampler(len(data), batch_size, 0, 1, seed)
+    loader = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler,
+                                              collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = build_scheduler(opt, steps, warmup_ratio, "cosine", min_lr_ratio)
+    t0, loss = time.time(), float("nan")
+    for step in range(steps):
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+        if all_tokens:
+            batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(**batch, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        last = done == steps or (max_seconds is not None and time.time() - t0 > max_seconds)
+        if done % log_every == 0 or last:
+            loss = out.loss.item()
+            log(f"  pretrain step {done}/{steps} loss {loss:.4f} ({time.time() - t0:.0f}s)"
+                + ("" if done == steps else f"; stopping: over the {max_seconds:.0f} s budget" if last else ""))
+        if on_eval is not None and ((eval_every and done % eval_every == 0) or last):
+            model.eval()
+            on_eval(done)
+            model.train()
+        if last:
+            break
+    model.eval()
+    return loss

@@ -136,6 +136,10 @@ def train(cfg: TrainConfig) -> dict:
         if main:
             print(msg, flush=True)
 
+    if cfg.quick_autotune and accelerator.device.type == "cuda":
+        from llm_surgery.triton_autotune import quick_autotune  # process-wide, idempotent
+        log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
+
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
     resume_path = None
@@ -247,6 +251,8 @@ def train(cfg: TrainConfig) -> dict:
             record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
                       "epoch": done * cfg.grad_accum / sampler.batches_per_epoch}
+            if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
+                record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
             if main:
                 metrics.log(record)
                 if bar is not None:
@@ -271,17 +277,23 @@ def train(cfg: TrainConfig) -> dict:
 
     # throughput, evaluation, artifact
     rate = meter.tokens_per_s()
+    peak = (torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda"
+            else float("nan"))
+    per_rank = accelerator.gather(torch.tensor([rate, peak], dtype=torch.float64, device=accelerator.device))
+    per_rank = per_rank.view(-1, 2).cpu()
     throughput = {
         "timed_seconds": meter.seconds, "timed_steps": meter.steps - meter.skip, "warmup_steps": meter.skip,
         "tokens_per_s_per_process": rate,
-        "tokens_per_s_total": accelerator.reduce(torch.tensor(rate, device=accelerator.device), "sum").item(),
-        "peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-                            if accelerator.device.type == "cuda" else None),
+        "tokens_per_s_total": float(per_rank[:, 0].sum()),
+        "tokens_per_s_by_process": per_rank[:, 0].tolist(),
+        "peak_memory_gib": peak if accelerator.device.type == "cuda" else None,
+        "peak_memory_gib_by_process": per_rank[:, 1].tolist() if accelerator.device.type == "cuda" else None,
+        "num_processes": accelerator.num_processes,
     }
     unit = "GPU" if accelerator.device.type == "cuda" else "process"
     log(f"throughput: {throughput['tokens_per_s_per_process']:,.0f} tokens/s per {unit}, "
         f"{throughput['tokens_per_s_total']:,.0f} total" + (
-            f", peak memory {throughput['peak_memory_gib']:.2f} GiB per GPU"
+            ", peak memory " + ", ".join(f"{g:.2f}" for g in throughput["peak_memory_gib_by_process"]) + " GiB per GPU"
             if throughput["peak_memory_gib"] is not None else ""))
     val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
     test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
@@ -294,6 +306,7 @@ def train(cfg: TrainConfig) -> dict:
     save_final(accelerator, model, final_dir, cfg)
     if main:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        metrics.log({"step": total_steps, "throughput": throughput})
         metrics.log({"step": total_steps, "val_accuracy": val["accuracy"], "test_iid_accuracy": test["iid"]["accuracy"],
                      "test_ood_accuracy": test["ood"]["accuracy"]})
         metrics.close()

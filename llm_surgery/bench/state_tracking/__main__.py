@@ -10,8 +10,8 @@ import math
 import sys
 
 from .tasks import TABLE1_TASKS, TASKS
-from .train import ROBUST_PDSSM, TrainConfig, train, train_one_thread
-
+from .train import (DEFAULT_PRESET, KIND_DEFAULTS, PDSSM_PRESETS, ROBUST_PDSSM, cli_defaults, quick_triton_autotune,
+                    train, train_one_thread)
 
 
 def parse_args(argv=None):
@@ -27,9 +27,21 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--curriculum", type=float, default=0.0, help="fraction of steps over which max length ramps")
-    p.add_argument("--tau-end", type=float, default=1.0, help="anneal the pdssm STE temperature 1 -> tau_end")
-    p.add_argument("--robust", action="store_true", help=f"pdssm options of issue 9: {ROBUST_PDSSM}")
+    p.add_argument("--curriculum", type=float, default=None,
+                   help="fraction of the run over which the longest training length ramps 2 -> 40 "
+                        f"(default: {KIND_DEFAULTS} per kind, else 0)")
+    p.add_argument("--tau-end", type=float, default=None, help="anneal the pdssm STE temperature 1 -> tau_end")
+    p.add_argument("--preset", choices=["auto", *sorted(PDSSM_PRESETS)], default=DEFAULT_PRESET,
+                   help="pdssm layer options: 'layer' = FlashPDSSM's defaults (as in the surgery), "
+                        f"'robust' = {ROBUST_PDSSM}; 'auto' = robust for --layers 1, else layer "
+                        "(docs/bench/state_tracking.md); --mixer overrides any")
+    p.add_argument("--robust", action="store_const", const="robust", dest="preset", help="= --preset robust")
+    p.add_argument("--restarts", type=int, default=None,
+                   help="train R candidates for --restart-frac of the run, continue the best by training loss "
+                        "(default: per kind, see --curriculum, else 1)")
+    p.add_argument("--restart-frac", type=float, default=None)
+    p.add_argument("--full-autotune", action="store_true",
+                   help="CUDA: let Triton autotune every config (default: keep the first that runs)")
     p.add_argument("--mixer", default="{}", help="JSON of extra mixer options, e.g. '{\"complex\": false}'")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds of training per run (0: no limit)")
@@ -77,15 +89,15 @@ def main(argv=None) -> int:
     for kind in args.kind.split(","):
         for task in tasks:
             for seed in _seeds(args.seeds):
-                mixer = {**(ROBUST_PDSSM if args.robust and kind == "pdssm" else {}), **extra}
-                configs.append(TrainConfig(task=task, kind=kind, n_layers=args.layers, d_model=args.d_model,
-                                           steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                           curriculum_frac=args.curriculum, tau_end=args.tau_end, seed=seed,
-                                           device=args.device, eval_every=args.eval_every,
-                                           time_limit_s=args.time_limit, mixer=mixer,
-                                           eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch))
+                configs.append(cli_defaults(
+                    kind, preset=args.preset, mixer=extra, task=task, n_layers=args.layers, d_model=args.d_model,
+                    steps=args.steps, batch_size=args.batch_size, lr=args.lr, curriculum_frac=args.curriculum,
+                    tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
+                    time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
+                    eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch))
     rows = []
-    for r in _run_all(configs, args.jobs):
+    quick = args.device.startswith("cuda") and not args.full_autotune
+    for r in _run_all(configs, args.jobs, quick_autotune=quick):
         rows.append(r)
         print(f"{r['kind']} {r['task']} seed {r['seed']}: acc 40..256 {100 * r['acc_mean']:.1f}%, at "
               f"{max(map(int, r['acc']))}: {100 * r['acc_max_len']:.1f}% ({r['steps_run']} steps, {r['seconds']}s)",
@@ -97,15 +109,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def _run_all(configs, jobs: int):
+def _run_all(configs, jobs: int, quick_autotune: bool = False):
     """Yield results as runs finish; with jobs > 1 in a process pool (spawned: safe with CUDA)."""
+    if quick_autotune:
+        quick_triton_autotune()
     if jobs <= 1:
         for cfg in configs:
             yield train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+    init = quick_triton_autotune if quick_autotune else None
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=init) as pool:
         futures = [pool.submit(train_one_thread, cfg) for cfg in configs]
         for fut in as_completed(futures):
             try:

@@ -63,7 +63,7 @@ def _use_cuda_kernels(t: torch.Tensor) -> bool:
 class _PDScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P, D, b, x0, chunk):
-        lead, (L, N) = b.shape[:-2], b.shape[-2:]
+        L, N = b.shape[-2:]
         Pf = P.reshape(-1, L, N)
         Df, bf = D.reshape(-1, L, N), b.reshape(-1, L, N)
         x0f = None if x0 is None else x0.reshape(-1, N)

@@ -1,0 +1,218 @@
+"""Issues 7 and 9 in one GPU call: the paper's Table 1 (pdssm, mamba2, deltanet on four tasks, appendix B.1
+setup) and one-layer group word problems (S3, A5; element and generator tokens), all runs in parallel with a
+per-run time limit computed from one wall-clock budget, so the call cannot overrun.
+
+    PYTHONPATH=$PWD python bench/state_tracking_gpu.py --budget 540                    # one H200, ~9 minutes
+    PYTHONPATH=$PWD python bench/state_tracking_gpu.py --quick --device cpu --jobs 4   # CPU smoke test, ~70 s
+    python bench/state_tracking_gpu.py --summarize results.jsonl                       # tables from a JSONL
+
+Every run is time-limited (the schedules run on time: warm-up, cosine decay, curriculum and tau all finish);
+by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at a time); results go to --out
+as one JSON line per run as they finish, and the tables are printed at the end.
+The pdssm options are the CLI's defaults (llm_surgery/bench/state_tracking/train.py: cli_defaults; the
+one-layer sizes in ONE_LAYER_RECIPES); Table 1 also runs the other preset for comparison (--t1-presets).
+See docs/bench/state_tracking.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+
+from llm_surgery.bench.state_tracking.__main__ import _run_all
+from llm_surgery.bench.state_tracking.tasks import TABLE1_TASKS
+from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRESETS, TrainConfig, cli_defaults,
+                                                    preset_for, quick_triton_autotune, train)
+
+GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
+
+
+def plan(args) -> list[TrainConfig]:
+    """All runs: Table 1 (2 layers, width 128) and issue 9 (one layer); pdssm seeds first within each."""
+    base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch)
+    cfgs = []
+    t1 = [("pdssm", None, args.t1_pdssm_seeds)]
+    t1 += [("pdssm", p, args.t1_preset_seeds) for p in args.t1_presets.split(",") if p]
+    t1 += [("mamba2", None, args.t1_other_seeds), ("deltanet", None, args.t1_other_seeds)]
+    for kind, preset, seeds in t1:
+        for task in TABLE1_TASKS:
+            for seed in range(seeds):
+                cfgs.append(cli_defaults(task=task, kind=kind, preset=preset, seed=seed, n_layers=2,
+                                         d_model=args.d_model, batch_size=args.batch_size, **base))
+    for task in GROUP_TASKS:
+        for kind, seeds in (("pdssm", args.g_pdssm_seeds), ("mamba2", args.g_other_seeds),
+                            ("deltanet", args.g_other_seeds)):
+            for seed in range(seeds):
+                if kind == "pdssm":
+                    cfgs.append(cli_defaults(task=task, kind=kind, seed=seed, batch_size=args.batch_size,
+                                             **ONE_LAYER_RECIPES[task], **base))
+                else:  # the comparison kinds: one layer at the Table 1 width and head setup
+                    cfgs.append(cli_defaults(task=task, kind=kind, seed=seed, n_layers=1, d_model=args.d_model,
+                                             batch_size=args.batch_size, **base))
+    if args.quick:  # CPU smoke test: tiny models, a few seconds each
+        cfgs = [replace(c, d_model=min(c.d_model, 32), batch_size=8, eval_lengths=(40, 256), eval_batch=16,
+                        mixer={**c.mixer, **({"num_heads": 4, "state_size": c.mixer.get("state_size", 8)}
+                                             if c.kind == "pdssm" else {})},
+                        **({"restarts": min(c.restarts, 2)} if c.restarts > 1 else {})) for c in cfgs]
+        cfgs = [c for i, c in enumerate(cfgs) if c.seed == 0 or c.task in ("parity", "s3_gen")]
+    return cfgs
+
+
+def with_time_limits(cfgs: list[TrainConfig], budget: float, jobs: int, reserve: float) -> list[TrainConfig]:
+    """Per-run training time so that ceil(runs / jobs) waves fit in `budget - reserve` seconds; a run with
+    restarts trains for time_limit * (1 + (R - 1) * restart_frac), so its own limit is shorter."""
+    waves = math.ceil(len(cfgs) / jobs)
+    slot = (budget - reserve) / waves
+    out = []
+    for c in cfgs:
+        stretch = 1 + (c.restarts - 1) * c.restart_frac
+        out.append(replace(c, time_limit_s=max(1.0, slot / stretch)))
+    return out
+
+
+def warm_up(device: str, d_model: int) -> float:
+    """Build the pd_scan CUDA extension and compile the Triton kernels (at the runs' sizes) once, in this
+    process, so that the parallel workers load them from the on-disk caches instead of all compiling at once."""
+    t0 = time.time()
+    for kind in ("pdssm", "mamba2", "deltanet"):
+        try:
+            train(TrainConfig(task="parity", kind=kind, n_layers=1, d_model=d_model, steps=8, batch_size=4,
+                              eval_lengths=(40, 47, 256), eval_batch=4, device=device))
+        except Exception as exc:  # noqa: BLE001 - the runs of that kind will report the error themselves
+            print(f"warm-up {kind} failed: {exc!r}"[:500], flush=True)
+    return time.time() - t0
+
+
+def model_name(row: dict) -> str:
+    """'pdssm' for the CLI's default options at the row's depth, 'pdssm (robust preset)' etc. otherwise."""
+    if row["kind"] != "pdssm":
+        return row["kind"]
+    mixer = {k: tuple(v) if isinstance(v, list) else v for k, v in row["config"]["mixer"].items()}
+    for name, opts in sorted(PDSSM_PRESETS.items(), key=lambda kv: -len(kv[1])):
+        if opts.items() <= mixer.items():
+            return "pdssm" if name == preset_for(row["config"]["n_layers"]) else f"pdssm ({name} preset)"
+    return "pdssm (other)"
+
+
+def _mean_se(values: list[float]) -> str:
+    m = sum(values) / len(values)
+    se = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)) if len(values) > 1 else 0
+    return f"{m:.1f} ± {se:.1f}"
+
+
+def table1(rows: list[dict]) -> str:
+    """Paper Table 1 layout: accuracy (%) averaged over lengths 40..256, mean ± s.e. over seeds."""
+    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2]
+    lines = ["| model | " + " | ".join(TABLE1_TASKS) + " | Avg. | seeds | steps |",
+             "| --- " * (len(TABLE1_TASKS) + 4) + "|"]
+    names = sorted({model_name(r) for r in rows}, key=lambda n: (n.split()[0] != "pdssm", n))
+    for kind in names:
+        mine = [r for r in rows if model_name(r) == kind]
+        cells, means = [], []
+        for task in TABLE1_TASKS:
+            accs = [100 * r["acc_mean"] for r in mine if r["task"] == task]
+            cells.append(_mean_se(accs) if accs else "—")
+            if accs:
+                means.append(sum(accs) / len(accs))
+        avg = f"{sum(means) / len(means):.1f}" if len(means) == len(TABLE1_TASKS) else "—"
+        seeds = max(sum(r["task"] == t for r in mine) for t in TABLE1_TASKS)
+        steps = f"{min(r['steps_run'] for r in mine)}-{max(r['steps_run'] for r in mine)}"
+        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {avg} | {seeds} | {steps} |")
+    return "\n".join(lines)
+
+
+def table9(rows: list[dict]) -> str:
+    """Issue 9 layout: seeds with >= 99% at the longest eval length, accuracy there per seed."""
+    rows = [r for r in rows if r["task"] in GROUP_TASKS]
+    lines = ["| task | kind | seeds >= 99% at 256 | acc at 256 per seed (%) | train loss | steps |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for task in GROUP_TASKS:
+        for kind in ("pdssm", "mamba2", "deltanet"):
+            mine = sorted((r for r in rows if r["task"] == task and r["kind"] == kind), key=lambda r: r["seed"])
+            if not mine:
+                continue
+            ok = sum(r["acc_max_len"] >= 0.99 for r in mine)
+            accs = ", ".join(f"{100 * r['acc_max_len']:.1f}" for r in mine)
+            losses = ", ".join(f"{r['train_loss']:.3g}" for r in mine)
+            steps = f"{min(r['steps_run'] for r in mine)}-{max(r['steps_run'] for r in mine)}"
+            lines.append(f"| {task} | {kind} | {ok} of {len(mine)} | {accs} | {losses} | {steps} |")
+    return "\n".join(lines)
+
+
+def summarize(rows: list[dict]) -> str:
+    return ("Issue 7 (Table 1; 2 layers, width 128):\n" + table1(rows) +
+            "\n\nIssue 9 (one layer; pdssm with the CLI defaults):\n" + table9(rows))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=None, help="wall seconds for the whole call (540; --quick: 60)")
+    ap.add_argument("--reserve", type=float, default=0.0,
+                    help="seconds kept for start-up, warm-up and evaluation (default: 10%% of the budget + 25)")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel runs (default: all runs in --waves waves)")
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "state_tracking_gpu.jsonl"))
+    ap.add_argument("--steps", type=int, default=100_000, help="step cap (the time limit normally stops first)")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--eval-batch", type=int, default=512)
+    ap.add_argument("--t1-pdssm-seeds", type=int, default=2)
+    ap.add_argument("--t1-other-seeds", type=int, default=1)
+    ap.add_argument("--t1-presets", default=",".join(p for p in sorted(PDSSM_PRESETS) if p != preset_for(2)),
+                    help="other pdssm presets to compare in Table 1 (comma list; '' for none)")
+    ap.add_argument("--t1-preset-seeds", type=int, default=2)
+    ap.add_argument("--g-pdssm-seeds", type=int, default=5)
+    ap.add_argument("--g-other-seeds", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
+    ap.add_argument("--summarize", default=None, help="print the tables of this JSONL file and exit")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summarize([json.loads(line) for line in f if line.strip()]))
+        return 0
+    start = time.time()
+    args.budget = args.budget or (60.0 if args.quick else 540.0)
+    reserve = args.reserve or (20.0 if args.quick else 0.1 * args.budget + 25)
+    cfgs = plan(args)
+    args.jobs = args.jobs or math.ceil(len(cfgs) / args.waves)
+    print(f"{len(cfgs)} runs, {args.jobs} jobs, {math.ceil(len(cfgs) / args.jobs)} waves, budget {args.budget:.0f}s",
+          flush=True)
+    if args.dry_run:
+        for c in with_time_limits(cfgs, args.budget, args.jobs, reserve):
+            print(c.kind, c.task, c.seed, c.n_layers, c.d_model, c.mixer, f"restarts {c.restarts}",
+                  f"limit {c.time_limit_s:.0f}s")
+        return 0
+    quick = args.device.startswith("cuda")
+    if quick:
+        print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
+        print(f"warm-up (kernel builds, compiles): {warm_up(args.device, args.d_model):.0f}s", flush=True)
+    cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
+    print(f"per-run training time limit (no restarts): {max(c.time_limit_s for c in cfgs):.0f}s", flush=True)
+    rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for r in _run_all(cfgs, args.jobs, quick_autotune=quick):
+        rows.append(r)
+        print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} L{r['config']['n_layers']} seed {r['seed']}: "
+              f"acc 40..256 {100 * r['acc_mean']:.1f}%, at 256 {100 * r['acc_max_len']:.1f}%, "
+              f"loss {r['train_loss']:.3g} ({r['steps_run']} steps, {r['seconds']}s)", flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    print(f"\n{len(rows)} of {len(cfgs)} runs in {time.time() - start:.0f}s; results in {args.out}\n")
+    print(summarize(rows))
+    return 0 if len(rows) == len(cfgs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

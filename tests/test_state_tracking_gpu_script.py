@@ -1,0 +1,52 @@
+"""bench/state_tracking_gpu.py: the plan of the one-call GPU run (issues 7 and 9) and its time limits."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "state_tracking_gpu.py"
+spec = importlib.util.spec_from_file_location("state_tracking_gpu", _PATH)
+gpu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu)
+
+
+def test_plan_covers_both_issues_with_the_cli_defaults():
+    cfgs = gpu.plan(gpu.parse_args(["--device", "cpu"]))
+    key = {(c.kind, c.task, c.n_layers) for c in cfgs}
+    for kind in ("pdssm", "mamba2", "deltanet"):
+        assert all((kind, t, 2) in key for t in gpu.TABLE1_TASKS)
+        assert all((kind, t, 1) in key for t in gpu.GROUP_TASKS)
+    g = [c for c in cfgs if c.kind == "pdssm" and c.task in gpu.GROUP_TASKS]
+    assert len(g) == 20 and all(c.n_layers == 1 for c in g)
+    default = gpu.cli_defaults("pdssm")
+    assert all(c.mixer.items() >= default.mixer.items() and c.restarts == default.restarts for c in g)
+    assert all(c.d_model == 128 and c.batch_size == 256 and c.lr == 2e-3 for c in cfgs if c.n_layers == 2)
+
+
+@pytest.mark.parametrize("runs,jobs", [(48, 16), (48, 24), (10, 16)])
+def test_time_limits_fit_the_budget(runs, jobs):
+    cfgs = gpu.plan(gpu.parse_args(["--device", "cpu"]))[:runs]
+    limited = gpu.with_time_limits(cfgs, 540.0, jobs, reserve=80.0)
+    waves = -(-len(cfgs) // jobs)
+    for c in limited:
+        assert c.time_limit_s * (1 + (c.restarts - 1) * c.restart_frac) * waves <= 460.0 + 1e-6
+
+
+def test_summary_tables(tmp_path):
+    rows = []
+    for kind in ("pdssm", "deltanet"):
+        for task in gpu.TABLE1_TASKS:
+            rows.append({"kind": kind, "task": task, "seed": 0, "acc_mean": 0.5, "acc_max_len": 0.5,
+                         "train_loss": 0.1, "steps_run": 10, "config": {"n_layers": 2, "mixer": {}}})
+    rows.append({"kind": "pdssm", "task": "s3", "seed": 0, "acc_mean": 1.0, "acc_max_len": 1.0, "train_loss": 0.0,
+                 "steps_run": 10, "config": {"n_layers": 1, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
+    rows.append({**rows[0], "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
+    text = gpu.summarize(rows)
+    assert "| pdssm | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 | 1 | 10-10 |" in text
+    assert "| s3 | pdssm | 1 of 1 | 100.0 |" in text and "mamba2" not in text
+    assert "| pdssm (robust preset) | 50.0 ± 0.0 | — |" in text
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert gpu.main(["--summarize", str(path)]) == 0
