@@ -48,15 +48,54 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size or dim
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = x.dtype
-        cd = torch.promote_types(dtype, torch.float32)  # at least float32, float64 stays float64
-        x = x.to(cd)
-        if z is not None:
-            x = x * F.silu(z.to(cd))
-        shape = x.shape
-        x = x.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.reshape(shape) * self.weight.to(cd)).to(dtype)
+        return _GatedRMSNormFn.apply(x, z, self.weight, self.group_size, self.eps)
+
+
+def _gated_rms_norm(x, z, weight, group_size, eps):
+    """(out, normalised h, rstd, silu(z)) in at least float32; the maths of GatedRMSNorm."""
+    cd = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
+    g = x.to(cd)
+    sz = None
+    if z is not None:
+        sz = F.silu(z.to(cd))
+        g = g * sz
+    shape = g.shape
+    g = g.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    rstd = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    h = (g * rstd).reshape(shape)
+    return h * weight.to(cd), h, rstd, sz
+
+
+class _GatedRMSNormFn(torch.autograd.Function):
+    """Keeps only the inputs (in their own dtype) for backward and recomputes the float32 intermediates:
+    under bf16 the plain autograd graph of this norm saved five float32 copies of the activations."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, group_size, eps):
+        out, _, _, _ = _gated_rms_norm(x, z, weight, group_size, eps)
+        ctx.save_for_backward(x, z, weight)
+        ctx.group_size, ctx.eps = group_size, eps
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, z, weight = ctx.saved_tensors
+        gs = ctx.group_size
+        _, h, rstd, sz = _gated_rms_norm(x, z, weight, gs, ctx.eps)
+        cd = h.dtype
+        go = grad_out.to(cd)
+        gw = (go * h).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        shape = h.shape
+        dh = (go * weight.to(cd)).reshape(*shape[:-1], shape[-1] // gs, gs)
+        hg = h.reshape(dh.shape)
+        dg = (rstd * (dh - hg * (dh * hg).mean(-1, keepdim=True))).reshape(shape)
+        if z is None:
+            return dg.to(x.dtype), None, gw, None, None
+        xc, zc = x.to(cd), z.to(cd)
+        sig = torch.sigmoid(zc)
+        dx = dg * sz
+        dz = dg * xc * sig * (1 + zc * (1 - sig))
+        return dx.to(x.dtype), dz.to(z.dtype), gw, None, None
 
 
 def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int, name: str) -> None:

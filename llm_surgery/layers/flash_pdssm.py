@@ -133,14 +133,19 @@ class FlashPDSSM(nn.Module):
         cd = torch.promote_types(u.dtype, torch.float32)
         proj = F.linear(u, self.x_proj.weight.to(u.dtype)).to(cd)
         proj = proj.view(Bsz, L, H, -1).transpose(1, 2)  # [B,H,L,K+N(+N)]
-        sel = proj[..., :K]
-        log_mag = -F.softplus(proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N))
+        # Memory: what autograd keeps should be the scan's own tensors. A slice of proj saved for backward
+        # would keep all of proj alive (hence the copy of the selector logits), torch.complex would keep both
+        # planes of b (view_as_complex keeps nothing), and |D| = exp(-softplus(a)) = sigmoid(-a) saves one
+        # tensor instead of two.
+        sel = proj[..., :K].contiguous()
+        a = proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N)
+        mag = torch.sigmoid(-a)
         b_parts = torch.einsum("blhp,hnpc->bhlnc", u.view(Bsz, L, H, P), self.B.to(u.dtype)).to(cd)
         if self.complex:
-            D = torch.polar(torch.exp(log_mag), proj[..., K + N:K + 2 * N])
-            b = torch.complex(b_parts[..., 0], b_parts[..., 1])
+            D = torch.polar(mag, proj[..., K + N:K + 2 * N])
+            b = torch.view_as_complex(b_parts if b_parts.stride(-1) == 1 else b_parts.contiguous())
         else:
-            D, b = torch.exp(log_mag), b_parts[..., 0]
+            D, b = mag, b_parts[..., 0]
         if self.b_gate == "off":
             b = torch.zeros_like(b)
         elif self.b_gate == "sigmoid":
@@ -148,7 +153,7 @@ class FlashPDSSM(nn.Module):
         elif self.b_gate == "hard":  # exactly 0 for gate logits <= -0.5: ordinary tokens can inject nothing
             b = b * (0.5 + proj[..., -1:]).clamp(0, 1)
         elif self.b_gate == "decay":  # b scaled by 1 - |D| (Mamba-style): a state that keeps, takes nothing in
-            b = b * -torch.expm1(log_mag)
+            b = b * torch.sigmoid(a)  # 1 - |D_t|
         return sel, D, b
 
     def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
