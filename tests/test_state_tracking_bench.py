@@ -7,8 +7,9 @@ import torch
 
 from llm_surgery.bench.state_tracking.__main__ import _seeds, main, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
-from llm_surgery.bench.state_tracking.train import (KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig, candidate_seed,
-                                                    cli_defaults, lr_at, max_train_len, preset_for, progress, train)
+from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig,
+                                                    adapt_len, candidate_seed, cli_defaults, lr_at, max_train_len,
+                                                    preset_for, progress, train)
 from llm_surgery.layers import FlashPDSSM
 
 
@@ -24,6 +25,20 @@ def test_curriculum_ramps_to_max_len():
     assert max_train_len(0.0, cfg) == 2 and max_train_len(0.5, cfg) == 40 and max_train_len(0.99, cfg) == 40
     assert max_train_len(0.25, cfg) == 21
     assert max_train_len(0.0, TrainConfig(steps=100)) == 40
+
+
+def test_adaptive_curriculum_raises_the_length_only_while_the_loss_is_low():
+    cfg = TrainConfig(curriculum_mode="adaptive", curriculum_threshold=0.3, curriculum_step=2, max_len=40)
+    assert adapt_len(10, 0.1, cfg) == 12 and adapt_len(10, 0.5, cfg) == 10 and adapt_len(39, 0.0, cfg) == 40
+    # end to end: a threshold no loss reaches holds the length at min_len + 1; one every loss is below raises it
+    # by curriculum_step at each of the steps // ADAPT_EVERY checks
+    small = dict(task="parity", n_layers=1, d_model=16, steps=3 * ADAPT_EVERY, batch_size=8, eval_lengths=(40,),
+                 eval_batch=8, mixer=dict(num_heads=2), curriculum_mode="adaptive", curriculum_step=3)
+    assert train(TrainConfig(curriculum_threshold=0.0, **small))["train_max_len"] == 2
+    assert train(TrainConfig(curriculum_threshold=1e9, **small))["train_max_len"] == 2 + 3 * 3
+    assert train(TrainConfig(**{**small, "curriculum_mode": "linear"}))["train_max_len"] == 40
+    with pytest.raises(ValueError, match="curriculum_mode"):
+        TrainConfig(curriculum_mode="fast")
 
 
 def test_progress_runs_on_time_under_a_time_limit():

@@ -16,7 +16,7 @@ import torch
 from llm_surgery.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, resolve_checkpoint,
                                           save_checkpoint)
 from llm_surgery.train.config import TrainConfig, build_parser, parse_config
-from llm_surgery.train.data import ShardedBatchSampler, cap_records
+from llm_surgery.train.data import ShardedBatchSampler, cap_records, make_splits
 from llm_surgery.train.metrics import read_jsonl
 from llm_surgery.train.schedule import build_scheduler, lr_factor
 
@@ -262,6 +262,22 @@ def _launch(args, env, expect_ok=True):
     return proc
 
 
+def _evaluate_in_one_process(host_dir, inserted_dir, cfg):
+    """Test-split results of a saved `save_inserted` checkpoint, evaluated by this process alone."""
+    from accelerate import Accelerator
+
+    from llm_surgery.insert import load_inserted
+    from llm_surgery.train.evaluate import EvalSet, evaluate
+    from llm_surgery.train.host import load_pretrained
+
+    accelerator = Accelerator(cpu=True)
+    model, tok = load_pretrained(str(host_dir), torch.float32, accelerator.device)
+    load_inserted(model, inserted_dir)
+    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
+    test = EvalSet(accelerator, tok, "test", cap_records(splits["test"], cfg.max_eval_examples), cfg.eval_batch_size)
+    return evaluate(accelerator, model, tok, test, cfg.train_max_ops, cfg.eval_mode)
+
+
 @pytest.mark.slow
 def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     common = ["--model", str(tiny_host_dir), "--kind", "mamba2", "--max-steps", "4", "--save-every", "2", *SMALL]
@@ -276,6 +292,18 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     assert (ckpt / "rng-rank0.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
     ref = {r["step"]: r["loss"] for r in read_jsonl(full / "metrics.jsonl") if "loss" in r}
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
+    # the metrics gathered from the 2 ranks equal one process evaluating the saved checkpoint alone
+    single = _evaluate_in_one_process(tiny_host_dir, full / "final", parse_config(common))
+    # (the tiny random host scores ~0 after 4 steps, so this checks above all that the gather neither drops nor
+    # duplicates examples: every count per number of operations must match)
+    got, want = single, res["test"]
+    assert got["num_examples"] == want["num_examples"] == len(cap_records(make_splits(20, 2255, 6, 26)["test"], 60))
+    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
+    assert count(got) == count(want) and len(count(got)) > 5
+    for part in ("accuracy", "token_accuracy"):
+        assert got[part] == pytest.approx(want[part], abs=1e-12)
+        assert got["iid"][part] == pytest.approx(want["iid"][part], abs=1e-12)
+        assert got["ood"][part] == pytest.approx(want["ood"][part], abs=1e-12)
 
     crashed = tmp_path / "crashed"
     proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},

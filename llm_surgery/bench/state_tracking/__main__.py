@@ -30,6 +30,12 @@ def parse_args(argv=None):
     p.add_argument("--curriculum", type=float, default=None,
                    help="fraction of the run over which the longest training length ramps 2 -> 40 "
                         f"(default: {KIND_DEFAULTS} per kind, else 0)")
+    p.add_argument("--curriculum-mode", choices=["linear", "adaptive"], default=None,
+                   help="linear: the ramp of --curriculum; adaptive: raise the longest length by --curriculum-step "
+                        "every 25 steps only while the loss at that length is below --curriculum-threshold "
+                        "(default: linear)")
+    p.add_argument("--curriculum-threshold", type=float, default=None, help="adaptive: loss in nats (default 0.3)")
+    p.add_argument("--curriculum-step", type=int, default=None, help="adaptive: length added per check (default 2)")
     p.add_argument("--tau-end", type=float, default=None, help="anneal the pdssm STE temperature 1 -> tau_end")
     p.add_argument("--preset", choices=["auto", *sorted(PDSSM_PRESETS)], default=DEFAULT_PRESET,
                    help="pdssm layer options: 'layer' = FlashPDSSM's defaults (as in the surgery), "
@@ -92,6 +98,8 @@ def main(argv=None) -> int:
                 configs.append(cli_defaults(
                     kind, preset=args.preset, mixer=extra, task=task, n_layers=args.layers, d_model=args.d_model,
                     steps=args.steps, batch_size=args.batch_size, lr=args.lr, curriculum_frac=args.curriculum,
+                    curriculum_mode=args.curriculum_mode, curriculum_threshold=args.curriculum_threshold,
+                    curriculum_step=args.curriculum_step,
                     tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
                     time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
                     eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch))

@@ -51,6 +51,9 @@ class TrainConfig:
     min_len: int = 1
     max_len: int = 40
     curriculum_frac: float = 0.0  # ramp the longest training length from min_len+1 to max_len over this fraction
+    curriculum_mode: str = "linear"  # "adaptive": grow the longest length only while the model keeps up
+    curriculum_threshold: float = 0.3  # adaptive: raise when the loss at the longest length is below this (nats)
+    curriculum_step: int = 2  # adaptive: raise by this much per check (every ADAPT_EVERY steps)
     eval_lengths: tuple[int, ...] = tuple(range(40, 257, 24))  # 40, 64, ..., 256
     eval_batch: int = 256
     tau_start: float = 1.0  # pdssm: straight-through temperature, annealed geometrically to tau_end
@@ -72,6 +75,9 @@ class TrainConfig:
             raise ValueError(f"need restarts >= 1 and 0 < restart_frac < 1, got {self.restarts}, {self.restart_frac}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.curriculum_mode not in ("linear", "adaptive") or self.curriculum_step < 1:
+            raise ValueError(f"curriculum_mode must be linear or adaptive and curriculum_step >= 1, got "
+                             f"{self.curriculum_mode!r}, {self.curriculum_step}")
 
 
 def default_mixer_options(kind: str, d_model: int) -> dict:
@@ -127,6 +133,16 @@ def max_train_len(frac: float, cfg: TrainConfig) -> int:
     return max(cfg.min_len + 1, min(cfg.max_len, round(cfg.min_len + 1 + ramp * (cfg.max_len - cfg.min_len - 1))))
 
 
+ADAPT_EVERY = 25  # steps between checks of the adaptive curriculum (the loss read-back cadence)
+
+
+def adapt_len(cur: int, loss: float, cfg: TrainConfig) -> int:
+    """Adaptive curriculum: raise the longest training length by `curriculum_step` (up to max_len) when the loss
+    on words of the current longest length is below `curriculum_threshold`, else hold it. A fixed ramp can
+    outrun a model that is half-way to a group (A5 collapsed to chance when the words grew)."""
+    return min(cfg.max_len, cur + cfg.curriculum_step) if loss < cfg.curriculum_threshold else cur
+
+
 def progress(step: int, seconds: float, cfg: TrainConfig) -> float:
     """Fraction of the run done: by steps, or by training time under a time limit, whichever is further. The
     schedules (lr, curriculum, tau) are functions of it, so a time-limited run still warms up, decays and
@@ -169,9 +185,22 @@ class _Run:
         self.model = build_model(cfg).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
+        self.adaptive = cfg.curriculum_mode == "adaptive"
+        self.cur_len = min(cfg.max_len, cfg.min_len + 1)  # adaptive curriculum: the longest training length now
+        self.probe_gen = torch.Generator().manual_seed(seed + 12_345)  # its checks do not shift the data stream
 
     def frac(self) -> float:
         return progress(self.step, self.seconds, self.cfg)
+
+    def max_len(self) -> int:
+        return self.cur_len if self.adaptive else max_train_len(self.frac(), self.cfg)
+
+    @torch.no_grad()
+    def adapt(self) -> None:
+        """One check of the adaptive curriculum on a fresh batch of words of exactly the current longest length."""
+        tokens, labels = self.task.batch(self.cfg.batch_size, self.cur_len, self.cur_len, self.probe_gen)
+        loss = F.cross_entropy(self.model(tokens.to(self.device)), labels.to(self.device)).item()
+        self.cur_len = adapt_len(self.cur_len, loss, self.cfg)
 
     def advance(self, until: float, log=None) -> None:
         """Train until progress >= `until` (or early stop). Losses are read back every 25 steps only: one
@@ -184,7 +213,7 @@ class _Run:
                 group["lr"] = lr_at(frac, cfg)
             if cfg.tau_start != cfg.tau_end:
                 model.set_tau(tau_schedule(frac, 1.0, cfg.tau_start, cfg.tau_end))
-            tokens, labels = self.task.batch(cfg.batch_size, cfg.min_len, max_train_len(frac, cfg), self.gen)
+            tokens, labels = self.task.batch(cfg.batch_size, cfg.min_len, self.max_len(), self.gen)
             loss = F.cross_entropy(model(tokens.to(self.device)), labels.to(self.device))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -197,11 +226,14 @@ class _Run:
             if len(pending) == 25:
                 self.losses = (self.losses + torch.stack(pending).tolist())[-50:]
                 pending = []
+            if self.adaptive and self.step % ADAPT_EVERY == 0:
+                self.adapt()
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 acc = evaluate(model, self.task, cfg.eval_lengths, cfg.eval_batch, self.gen, self.device)
                 if log:
                     log(f"{cfg.task} {cfg.kind} seed {self.seed} step {self.step} loss {self.train_loss():.4f} "
-                        f"acc {min(acc.values()):.3f}..{max(acc.values()):.3f} ({self.seconds:.0f}s)")
+                        f"len {self.max_len()} acc {min(acc.values()):.3f}..{max(acc.values()):.3f} "
+                        f"({self.seconds:.0f}s)")
                 self.done = min(acc.values()) >= cfg.stop_acc
             self.done = self.done or self.step >= cfg.steps or (cfg.time_limit_s and self.seconds >= cfg.time_limit_s)
         if pending:
@@ -216,7 +248,7 @@ class _Run:
         maximum), the same batches for every candidate: model selection on training data, not test lengths."""
         gen = torch.Generator().manual_seed(1)
         self.model.eval()
-        max_len = max_train_len(self.frac(), self.cfg)
+        max_len = self.max_len()
         total = 0.0
         for _ in range(batches):
             tokens, labels = self.task.batch(self.cfg.batch_size, self.cfg.min_len, max_len, gen)
@@ -258,7 +290,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
     acc = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, eval_gen, device)
     return {
         "task": cfg.task, "kind": cfg.kind, "seed": cfg.seed, "steps_run": run.step,
-        "train_loss": run.train_loss(), "acc_mean": sum(acc.values()) / len(acc),
+        "train_loss": run.train_loss(), "train_max_len": run.max_len(), "acc_mean": sum(acc.values()) / len(acc),
         "acc_max_len": acc[max(acc)], "acc": {str(k): v for k, v in acc.items()},
         "chosen_seed": run.seed, "restart_losses": sel_losses,
         "seconds": round(time.time() - t_start, 1), "params": sum(p.numel() for p in run.model.parameters()),
