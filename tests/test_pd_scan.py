@@ -117,3 +117,28 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
         cuda._algo_code("warp", 1, 10, 300, False)
     with pytest.raises(ValueError, match="algo must be one of"):
         cuda._algo_code("fastest", 1, 10, 30, False)
+
+
+def test_cuda_default_chunk_without_a_gpu():
+    """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
+    from llm_surgery.ops.pd_scan import cuda
+
+    class Ext:   # shared memory of the block kernels: `per` bytes per entry-step
+        def __init__(self, per=20):
+            self.per = per
+
+        def smem_bytes(self, kind, bf16, N, T, bwd, algo):
+            return self.per * N * T
+
+    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
+
+    def chunk(S, L, N, algo, bwd=False, per=20):
+        return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
+
+    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 256   # ~L/32 in [16, 256]
+    assert chunk(32, 100, 128, warp) == 16
+    assert chunk(1, 16384, 128, warp) == 16          # too few warps per SM: shorter chunks
+    assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
+    assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
+    assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB
+    assert chunk(32, 16384, 128, warp, bwd=True) == 16   # the backward has one (block) kernel

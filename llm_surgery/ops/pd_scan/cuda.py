@@ -177,20 +177,18 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
     return _ALGOS[algo]
 
 
-def _default_chunk(ext, kind, bf16, bwd, S, L, N, device, algo):
+def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Block kernels: the largest chunk <= 16 steps (best measured on H200 at N=128) within 64 KB of shared
     memory and >= 4 blocks per SM. Warp kernel (one warp per block, shared memory independent of the chunk):
     about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk sweep in
     docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if not bwd and ext.fwd_algo(N, algo) == 2:
+    if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
         return T
-    budget, per_sm = 64 * 1024, 4
     T = 16
-    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > budget or S * -(-L // T) < per_sm * sms):
+    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
         T //= 2
     while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
@@ -200,7 +198,8 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, device, algo):
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
-    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, device, code)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
