@@ -51,8 +51,8 @@ class GatedRMSNorm(nn.Module):
         return _GatedRMSNormFn.apply(x, z, self.weight, self.group_size, self.eps)
 
 
-def _gated_rms_norm(x, z, weight, group_size, eps):
-    """(out, normalised h, rstd, silu(z)) in at least float32; the maths of GatedRMSNorm."""
+def _gated_rms_norm(x, z, group_size, eps):
+    """(normalised h, rstd, silu(z)) in at least float32; the maths of GatedRMSNorm before the weight."""
     cd = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
     g = x.to(cd)
     sz = None
@@ -63,7 +63,7 @@ def _gated_rms_norm(x, z, weight, group_size, eps):
     g = g.reshape(*shape[:-1], shape[-1] // group_size, group_size)
     rstd = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     h = (g * rstd).reshape(shape)
-    return h * weight.to(cd), h, rstd, sz
+    return h, rstd, sz
 
 
 class _GatedRMSNormFn(torch.autograd.Function):
@@ -72,16 +72,16 @@ class _GatedRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, z, weight, group_size, eps):
-        out, _, _, _ = _gated_rms_norm(x, z, weight, group_size, eps)
+        h, _, _ = _gated_rms_norm(x, z, group_size, eps)
         ctx.save_for_backward(x, z, weight)
         ctx.group_size, ctx.eps = group_size, eps
-        return out.to(x.dtype)
+        return (h * weight.to(h.dtype)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, z, weight = ctx.saved_tensors
         gs = ctx.group_size
-        _, h, rstd, sz = _gated_rms_norm(x, z, weight, gs, ctx.eps)
+        h, rstd, sz = _gated_rms_norm(x, z, gs, ctx.eps)
         cd = h.dtype
         go = grad_out.to(cd)
         gw = (go * h).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
