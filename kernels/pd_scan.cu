@@ -992,8 +992,6 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
 
 }  // namespace pdk
 
-int pd_scan_fwd_algo(int N, int algo) { return pdk::fwd_algo(N, algo); }
-
 // kind: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (kinds 0, 1)
 int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo) {
   using namespace pdk;

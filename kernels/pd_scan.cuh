@@ -26,7 +26,5 @@ struct ScanArgs {
 
 // kind: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (kinds 0 and 1).
 int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo);
-// The forward algorithm `algo` (0 = auto) resolves to for a state of N entries: 1 block kernel, 2 warp kernel.
-int pd_scan_fwd_algo(int N, int algo);
 // Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
 const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);
