@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,13 +90,17 @@ def launch(args, n: int, host: Path, out: Path) -> dict:
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     with open(out / "launch.log", "w") as logf:
+        # its own process group: on a timeout the ranks die with the launcher (orphaned ranks kept their GPU
+        # memory and made the next launch fail to load the host)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                timeout=args.timeout).returncode
+            rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     wall = time.time() - t0
-    tail = (out / "launch.log").read_text().splitlines()[-15:]
+    tail = failure_lines((out / "launch.log").read_text().splitlines())
     res = {"num_processes": n, "rc": rc, "wall_seconds": wall, "command": " ".join(cmd)}
     if rc != 0 or not (out / "results.json").is_file():
         print(f"  FAILED ({rc}) after {wall:.0f}s; last lines of {out / 'launch.log'}:\n    " + "\n    ".join(tail))
@@ -105,6 +110,29 @@ def launch(args, n: int, host: Path, out: Path) -> dict:
     res["num_processes"] = results["num_processes"]
     print(f"  done in {wall:.0f}s: {results['throughput']['tokens_per_s_total']:,.0f} tokens/s total", flush=True)
     return res
+
+
+def failure_lines(log: list[str], context: int = 30) -> list[str]:
+    """The first child traceback of a launch log (the launcher's own summary says only which rank died),
+    else its last lines."""
+    start = next((i for i, line in enumerate(log) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        return log[-15:]
+    return log[start:start + context]
+
+
+def prebuild_kernels() -> str:
+    """Build (or load from the cache) the pd_scan CUDA extension once, before any launch: ranks that start
+    together then load a finished build instead of compiling side by side inside the timed runs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA: nothing to build"
+    from llm_surgery.ops.pd_scan import cuda
+
+    t0 = time.time()
+    ok = cuda.available()
+    return f"pd_scan CUDA kernels {'ready' if ok else 'FAILED: ' + str(cuda.load_error())} in {time.time() - t0:.0f}s"
 
 
 def table(runs: list[dict], unit: str) -> str:
@@ -137,6 +165,8 @@ def main(argv=None) -> dict:
     host = build_and_save_host(args, host_dir)
     print(f"host {host['host']}: {host['params']:,} params, built and saved to {host_dir} in {host['seconds']:.0f}s",
           flush=True)
+    if not args.cpu:
+        print(prebuild_kernels(), flush=True)
     runs = [launch(args, n, host_dir, out / f"np{n}") for n in args.procs]
     unit = "process" if args.cpu else "GPU"
     md = (f"{args.recipe} on a random-weight {host['host']} host ({host['params'] / 1e6:,.1f} M params), "

@@ -139,10 +139,13 @@ def test_bf16_autocast_keeps_the_scan_in_float32():
 
 @pytest.mark.parametrize("group_size", [None, 4])
 @pytest.mark.parametrize("gated", [True, False])
-def test_gated_rms_norm_backward_matches_autograd(group_size, gated):
+@pytest.mark.parametrize("slice_elements", [1 << 24, 36])
+def test_gated_rms_norm_backward_matches_autograd(group_size, gated, slice_elements, monkeypatch):
     """The norm's hand-written backward (it recomputes float32 intermediates instead of saving them) against
-    finite differences, and its forward against the plain formula."""
-    from llm_surgery.layers.common import GatedRMSNorm
+    finite differences, and its forward against the plain formula; in one piece and in row slices of 3 rows
+    (10 rows: a ragged last slice)."""
+    from llm_surgery.layers.common import GatedRMSNorm, _GatedRMSNormFn
+    monkeypatch.setattr(_GatedRMSNormFn, "ROW_SLICE_ELEMENTS", slice_elements)
     torch.manual_seed(0)
     norm = GatedRMSNorm(12, group_size=group_size).double()
     with torch.no_grad():

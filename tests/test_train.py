@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -429,3 +430,35 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     assert logged == [two]
     rows = [line for line in (out / "multi_gpu.md").read_text().splitlines() if line[:4] in ("| 1 ", "| 2 ")]
     assert len(rows) == 2 and rows[0].split("|")[4].strip() == "100%"
+
+
+def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
+    """A launch that outlives --timeout is killed with its whole process group (orphaned ranks had kept their GPU
+    memory), and a failed launch reports the child's traceback, not the launcher's summary."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "bench" / "multi_gpu.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    log = ["noise", "[rank1]: Traceback (most recent call last):", "[rank1]:   File x", "[rank1]: OutOfResources: y",
+           "Traceback (most recent call last):", "ChildFailedError"]
+    assert mg.failure_lines(log, context=3) == log[1:4]
+    assert mg.failure_lines(["a", "b"]) == ["a", "b"]
+    pidfile = tmp_path / "grandchild.pid"
+    script = tmp_path / "sleeper.py"  # stands in for the recipe: it starts a "rank" and both sleep
+    script.write_text("import subprocess, sys, time\n"
+                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
+    args = mg.parse_args(["--cpu", "--timeout", "15", "--out", str(tmp_path)])
+    args.recipe = str(script)
+    res = mg.launch(args, 1, tmp_path / "host", tmp_path / "np1")
+    assert res["rc"] == "timeout"
+    assert pidfile.is_file(), "the stand-in recipe did not start within the timeout"
+    pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the launched process's child outlived the timeout")

@@ -77,6 +77,9 @@ class TrainConfig:
     quick_autotune: bool = field(default=False, metadata={
         "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the first config that runs instead of timing all "
                 "(minutes saved on a first call; kernels may be slower)"})
+    host_kernels: bool = field(default=True, metadata={
+        "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "
+                "transformers' torch reference; llm_surgery/host_kernels.py)"})
 
     # evaluation, logging, checkpoints
     output_dir: str = "runs/latest"

@@ -139,6 +139,9 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.quick_autotune and accelerator.device.type == "cuda":
         from llm_surgery.triton_autotune import quick_autotune  # process-wide, idempotent
         log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
+    if cfg.host_kernels and accelerator.device.type == "cuda":
+        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
+        log(use_mamba_kernels_for_hosts())
 
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"

@@ -1,0 +1,73 @@
+"""Run the host's own Mamba2 layers on mamba-ssm's Triton kernels on CUDA.
+
+transformers picks a Mamba2 implementation for Granite-4.0 / Nemotron-H once, when their modeling module is
+imported: mamba-ssm if its *package* imports, else a plain torch reference. A Triton-only mamba-ssm install (no
+compiled `selective_scan_cuda`, the usual offline case) fails that import, so a frozen host's 36-odd Mamba2
+layers run the torch reference: measured on an H200, a random-weight granite-4.0-h-micro trained 183 tokens/s
+per GPU with 69 GiB peak (docs/bench/train.md). The SSD chunk scan and the decode update need no compiled code:
+`layers.mamba2.mamba_kernels()` loads them, and this module points the host modules' module-level functions at
+them for CUDA tensors (CPU tensors keep the reference). The fused training path
+(`mamba2_split_conv1d_scan_combined`) needs compiled causal_conv1d; left alone, it keeps returning None and the
+layer takes the unfused path (torch conv, then the Triton chunk scan).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+# modeling modules whose Mamba2 layers call these module-level functions at run time
+HOST_MODULES = ("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+                "transformers.models.nemotron_h.modeling_nemotron_h")
+_PATCHED = "_llm_surgery_cuda_kernel"
+
+
+def _on_cuda(args, kwargs) -> bool:
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    return getattr(first, "is_cuda", False)
+
+
+def _route(reference, kernel):
+    """`kernel` for CUDA inputs, `reference` otherwise. The layers pass their forward's extra keyword arguments
+    through; the kernel gets only those it takes (as transformers does for its own implementations)."""
+    takes = set(inspect.signature(kernel).parameters)
+
+    @functools.wraps(reference)
+    def call(*args, **kwargs):
+        if _on_cuda(args, kwargs):
+            return kernel(*args, **{k: v for k, v in kwargs.items() if k in takes})
+        return reference(*args, **kwargs)
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def use_mamba_kernels_for_hosts() -> str:
+    """Route the hosts' Mamba2 chunk scan and decode step to mamba-ssm's Triton kernels for CUDA tensors.
+
+    Idempotent. Returns one line for the log saying what runs the host's Mamba2 layers."""
+    from .layers.mamba2 import mamba_kernels
+
+    kernels = mamba_kernels()
+    if kernels is None:
+        return "host Mamba2 layers: torch reference (mamba-ssm's Triton kernels did not import)"
+    chunk_scan, state_update = kernels
+    done = []
+    for name in HOST_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        routed = []
+        for attr, kernel in (("mamba2_chunk_scan", chunk_scan), ("mamba2_selective_state_update", state_update)):
+            ref = getattr(mod, attr, None)
+            if ref is None:
+                continue
+            if not getattr(ref, _PATCHED, False):
+                setattr(mod, attr, _route(ref, kernel))
+            routed.append(attr)
+        if routed:
+            done.append(f"{name.rsplit('.', 1)[-1]} ({', '.join(routed)})")
+    if not done:
+        return "host Mamba2 layers: torch reference (this transformers has no mamba2_chunk_scan to route)"
+    return "host Mamba2 layers on mamba-ssm Triton kernels for CUDA tensors: " + "; ".join(done)

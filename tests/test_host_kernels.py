@@ -1,0 +1,71 @@
+"""llm_surgery.host_kernels: CUDA tensors go to the kernel, CPU tensors keep transformers' reference."""
+
+import importlib
+
+import pytest
+import torch
+
+from llm_surgery import host_kernels
+from llm_surgery.hosts import build_tiny_host
+
+
+class _CudaLike:
+    is_cuda = True
+
+
+def test_route_by_device_and_filter_kwargs():
+    calls = []
+
+    def reference(x, y=0, **kw):
+        calls.append(("ref", kw))
+        return "ref"
+
+    def kernel(x, y=0, chunk=1):
+        calls.append(("kernel", {"chunk": chunk}))
+        return "kernel"
+
+    routed = host_kernels._route(reference, kernel)
+    assert routed(torch.zeros(1), y=1, extra=2) == "ref"
+    assert calls[-1] == ("ref", {"extra": 2})  # the reference gets everything (transformers filters itself)
+    assert routed(_CudaLike(), y=1, chunk=3, extra=2) == "kernel"  # the kernel only what it takes
+    assert calls[-1] == ("kernel", {"chunk": 3})
+
+
+def test_patch_is_idempotent_and_cpu_outputs_unchanged(monkeypatch):
+    mod = importlib.import_module(host_kernels.HOST_MODULES[0])
+    for attr in ("mamba2_chunk_scan", "mamba2_selective_state_update"):
+        monkeypatch.setattr(mod, attr, getattr(mod, attr))  # restored after the test
+    model = build_tiny_host("granite", seed=0, hidden_size=32, vocab_size=50, pattern="M*M*", mamba_chunk_size=8)
+    ids = torch.randint(0, 50, (2, 11))
+    before = model(ids).logits
+
+    def fake_kernel(*a, **k):
+        raise AssertionError("a CPU tensor reached the CUDA kernel")
+
+    import llm_surgery.layers.mamba2 as m2
+    monkeypatch.setattr(m2, "mamba_kernels", lambda: (fake_kernel, fake_kernel))
+    line = host_kernels.use_mamba_kernels_for_hosts()
+    assert "granitemoehybrid (mamba2_chunk_scan, mamba2_selective_state_update)" in line
+    patched = mod.mamba2_chunk_scan
+    host_kernels.use_mamba_kernels_for_hosts()
+    assert mod.mamba2_chunk_scan is patched  # not wrapped twice
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
+def test_no_kernels_says_so(monkeypatch):
+    import llm_surgery.layers.mamba2 as m2
+    monkeypatch.setattr(m2, "mamba_kernels", lambda: None)
+    assert "torch reference" in host_kernels.use_mamba_kernels_for_hosts()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and mamba-ssm's Triton kernels")
+def test_host_on_cuda_matches_reference():
+    import llm_surgery.layers.mamba2 as m2
+    if m2.mamba_kernels() is None:
+        pytest.skip("mamba-ssm Triton kernels not importable")
+    model = build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=50, pattern="M*M*", mamba_chunk_size=16)
+    model = model.cuda().float()
+    ids = torch.randint(0, 50, (2, 40), device="cuda")
+    ref = model(ids).logits
+    host_kernels.use_mamba_kernels_for_hosts()
+    torch.testing.assert_close(model(ids).logits, ref, rtol=2e-3, atol=2e-3)
