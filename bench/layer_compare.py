@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick-autotune", action="store_true",
-                    help="Triton autotuners keep their first working config (saves minutes; untuned timings)")
+                    help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
@@ -85,7 +85,7 @@ def main():
 
     print(f"# layer fwd+bwd, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"CUDA {torch.version.cuda}, python {platform.python_version()}, {datetime.date.today()}, "
-          f"Triton autotuning {'cut to the first config' if args.quick_autotune else 'full'}")
+          f"Triton autotuning {'cut to the leanest config that runs' if args.quick_autotune else 'full'}")
     layers = {}
     for kind in args.kinds:
         torch.manual_seed(0)
@@ -98,7 +98,7 @@ def main():
     print("| kind | params |\n|---|---|")
     for kind, layer in layers.items():
         print(f"| {kind} | {sum(p.numel() for p in layer.parameters()) / 1e6:.2f} M |")
-    print(f"\n| L | batch | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
+    print("\n| L | batch | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
     print("|---|---|" + "---|---|" * len(layers))
     for L in args.lengths:
         row = [str(L), str(args.batch)]

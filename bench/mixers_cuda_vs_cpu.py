@@ -10,7 +10,7 @@ prefill-then-decode vs one full call, a bf16 kernel run against the float32 CPU 
 
     PYTHONPATH=$PWD python bench/mixers_cuda_vs_cpu.py [--width 1024 --batch 2 --lengths 512,48]
 
-The errors, not the speed, are the point here: by default Triton autotuning stops at the first config that
+The errors, not the speed, are the point here: by default Triton autotuning stops at the leanest config that
 runs (--full-autotune restores it), which keeps the first call to ~seconds per kernel instead of minutes.
 """
 

@@ -75,7 +75,7 @@ class TrainConfig:
     fsdp: bool = field(default=False, metadata={"help": "shard host and inserted layers with FSDP2"})
     cpu: bool = False
     quick_autotune: bool = field(default=False, metadata={
-        "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the first config that runs instead of timing all "
+        "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the leanest config that runs instead of timing all "
                 "(minutes saved on a first call; kernels may be slower)"})
     host_kernels: bool = field(default=True, metadata={
         "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "

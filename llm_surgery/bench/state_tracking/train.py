@@ -299,7 +299,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
 
 
 def quick_triton_autotune() -> bool:
-    """Triton autotuners (mamba-ssm, fla) keep the first config that runs: full autotuning of Mamba2's ~20 SSD
+    """Triton autotuners (mamba-ssm, fla) keep the leanest config that runs: full autotuning of Mamba2's ~20 SSD
     kernels took the whole budget of parallel GPU runs. False where Triton is missing."""
     from llm_surgery.triton_autotune import quick_autotune
     return quick_autotune()
