@@ -17,6 +17,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -49,13 +50,28 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def peak_bytes_per_token(kind: str, width: int, seq: int = 512, batch: int = 2) -> float:
-    """Peak resident memory of one bf16 forward+backward above the resting state, per token (run in a fresh
-    process so that earlier layers' freed pages do not count)."""
-    code = (f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r}); "
-            f"import layer_saved_activations as m; print(m._peak_child({kind!r}, {width}, {seq}, {batch}))")
+def _in_fresh_process(call: str) -> float:
+    """Evaluate `call` (an expression over this module, named m) in a new Python process and return its float:
+    pages freed by earlier measurements must not count."""
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import layer_saved_activations as m; print({call})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def _peak_above_rest_bytes(run) -> int:
+    """Peak resident memory of run() above the resident memory before it (Linux: /proc/self/clear_refs resets
+    the peak, VmHWM, to the current resident set)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rest = _rss_kib("VmRSS")
+    run()
+    return (_rss_kib("VmHWM") - rest) * 1024
+
+
+def peak_bytes_per_token(kind: str, width: int, seq: int = 512, batch: int = 2) -> float:
+    """Peak resident memory of one bf16 forward+backward above the resting state, per token (fresh process)."""
+    return _in_fresh_process(f"m._peak_child({kind!r}, {width}, {seq}, {batch})")
 
 
 def _peak_child(kind: str, width: int, seq: int, batch: int) -> float:
@@ -66,20 +82,13 @@ def _peak_child(kind: str, width: int, seq: int, batch: int) -> float:
     layer(x[:, :8]).float().square().mean().backward()  # warm-up: lazy buffers, allocator pools
     layer.zero_grad(set_to_none=False)
     x.grad = torch.zeros_like(x)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set (VmHWM) to the current one
-    rest = _rss_kib("VmRSS")
-    layer(x).float().square().mean().backward()
-    return (_rss_kib("VmHWM") - rest) * 1024 / (batch * seq)
+    return _peak_above_rest_bytes(lambda: layer(x).float().square().mean().backward()) / (batch * seq)
 
 
 def norm_peak_gib(tokens: int, dim: int, slice_elements: int) -> float:
     """Peak above rest of GatedRMSNorm forward+backward alone ([tokens, dim] bf16 x and gate), in a fresh process,
     with the given row-slice size (1 << 62: one piece, the previous behaviour)."""
-    code = (f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r}); "
-            f"import layer_saved_activations as m; print(m._norm_child({tokens}, {dim}, {slice_elements}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return _in_fresh_process(f"m._norm_child({tokens}, {dim}, {slice_elements})")
 
 
 def _norm_child(tokens: int, dim: int, slice_elements: int) -> float:
@@ -90,14 +99,10 @@ def _norm_child(tokens: int, dim: int, slice_elements: int) -> float:
     x = torch.randn(tokens, dim, dtype=torch.bfloat16, requires_grad=True)
     z = torch.randn(tokens, dim, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(tokens, dim, dtype=torch.bfloat16)
-    norm(x[:8], z[:8]).backward(g[:8])
+    norm(x[:8], z[:8]).backward(g[:8])  # warm-up
     x.grad = torch.zeros_like(x)
     z.grad = torch.zeros_like(z)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    rest = _rss_kib("VmRSS")
-    norm(x, z).backward(g)
-    return (_rss_kib("VmHWM") - rest) / 2**20
+    return _peak_above_rest_bytes(lambda: norm(x, z).backward(g)) / 2**30
 
 
 def main():
