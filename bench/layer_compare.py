@@ -14,6 +14,7 @@ import datetime
 import platform
 
 import torch
+from cuda_timing import median_ms
 
 
 def measure(layer, x, iters: int, warmup: int):
@@ -31,16 +32,7 @@ def measure(layer, x, iters: int, warmup: int):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2], peak
+    return median_ms(step, iters, warmup=0), peak
 
 
 def profile(build_mixer, args) -> None:
@@ -72,10 +64,15 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick-autotune", action="store_true",
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
+    ap.add_argument("--pdssm-slice-mib", type=int, default=0,
+                    help="batch-slice budget of the fused Flash PD-SSM op in MiB (0: its default)")
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
 
+    if args.pdssm_slice_mib:
+        from llm_surgery.ops.pd_select.projected import _ProjectedSelectScan
+        _ProjectedSelectScan.SLICE_BYTES = args.pdssm_slice_mib << 20
     if args.quick_autotune:
         from llm_surgery.triton_autotune import quick_autotune
         quick_autotune()

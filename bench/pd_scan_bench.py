@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from cuda_timing import median_ms
 
 from llm_surgery.ops.pd_scan import cuda as K
 
@@ -202,19 +203,7 @@ def bench_ms(fn, reps=50):
     except Exception as e:  # fall back to eager timing
         say(f"  (graph capture failed: {type(e).__name__}: {e}; timing eagerly)")
         run, graphed = fn, False
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2], graphed
+    return median_ms(run, reps, warmup=3), graphed
 
 
 def d2d_bandwidth():
@@ -333,18 +322,7 @@ def baseline(S, L, N, mode):
     out = fn()
     ref = K.pd_scan_fwd_cuda(P, D, b)
     err = rel(ref, out.to(torch.complex128))
-    torch.cuda.synchronize()
-    reps = 3 if L >= 8192 else 10
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2], err
+    return median_ms(fn, 3 if L >= 8192 else 10, warmup=0), err
 
 
 def main():

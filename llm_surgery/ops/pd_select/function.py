@@ -84,11 +84,16 @@ def _fast_ste_grads():
     return ste_grads_triton
 
 
-def _ste_grads(M, sel, P_dict, kstar, lam, dx, tau):
+def _ste_grads(M, sel, P_dict, kstar, lam, D, x, x0, mask, tau):
+    """(dL/dM, dL/dsel): G and r from the Triton kernels on CUDA (dx rebuilt inside them), else in torch."""
     fast = _fast_ste_grads() if lam.is_cuda else None
     if fast is not None:
-        G, r = fast(P_dict, kstar, lam, dx, M.shape[1])
+        G, r = fast(P_dict, kstar, lam, D, x, x0, mask, M.shape[1])
     else:
+        x_prev = torch.cat([torch.zeros_like(x[:, :, :1]) if x0 is None else x0.unsqueeze(2), x[:, :, :-1]], dim=2)
+        dx = D * x_prev
+        if mask is not None:  # padding steps used the identity, not a dictionary member: no STE signal there
+            dx = dx * mask.to(dx.real.dtype)[:, None, :, None]
         G, r = dictionary_grad(kstar, lam, dx, M.shape[1]), selector_grad(P_dict, lam, dx)
     return softmax_jacobian_apply(M, G, tau, dim=-2), softmax_jacobian_apply(sel, r, tau, dim=-1)
 
@@ -110,11 +115,7 @@ class _PDSelectScan(torch.autograd.Function):
         M, sel, D, x0, x, P_dict, kstar, mask = ctx.saved_tensors
         P = gather_transitions(P_dict, kstar, mask)
         gD, lam, gx0 = pd_scan_backward(P, D, x0, x, grad_x)
-        x_prev = torch.cat([torch.zeros_like(x[:, :, :1]) if x0 is None else x0.unsqueeze(2), x[:, :, :-1]], dim=2)
-        dx = D * x_prev
-        if mask is not None:  # padding steps used the identity, not a dictionary member: no STE signal there
-            dx = dx * mask.to(dx.real.dtype)[:, None, :, None]
-        gM, gsel = _ste_grads(M, sel, P_dict, kstar, lam, dx, ctx.tau)
+        gM, gsel = _ste_grads(M, sel, P_dict, kstar, lam, D, x, x0, mask, ctx.tau)
         return gM, gsel, gD, lam, gx0, None, None
 
 

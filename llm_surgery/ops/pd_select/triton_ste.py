@@ -1,15 +1,20 @@
-"""Triton kernels for the two straight-through gradients of the hard selection (see function.py):
+"""Triton kernels for the two straight-through gradients of the hard selection (see function.py). With
+lam = dL/db and dx_t = D_t * x_{t-1} (x_{-1} = x0; zero at padding steps):
 
-  r[b,h,t,k]  = sum_m Re(conj(lam[b,h,t,P_dict[h,k,m]]) * dx[b,h,t,m])   one program per (token block, head, batch):
-                lam and dx are loaded once, every member's gather happens in registers (tl.gather).
+  r[b,h,t,k]  = sum_m Re(conj(lam[b,h,t,P_dict[h,k,m]]) * dx[b,h,t,m])   one program per (token block, head,
+                batch) on [tokens, members, entries] tiles: the gathers of one token all read one row of lam,
+                already in L1 (any permutation inside a cache line costs what a plain load does), with the
+                entries across the lanes of a warp.
   G[h,k,n,m]  = sum_{tokens with k*=k} Re(conj(lam[n]) dx[m])            tokens sorted by (head, k*), then one
                 program per (head, member, slice of SEG tokens, output tile) runs a GEMM over its slice with
-                tl.dot and adds it into G atomically. Slicing matters: selections are often skewed (early in
-                training one member takes most tokens of a head), and one program per member would then walk
-                all B*L tokens alone.
+                tl.dot and adds it into G atomically; the grid lists only non-empty slices. Slicing matters:
+                selections are often skewed (early in training one member takes most tokens of a head), and
+                one program per member would then walk all B*L tokens alone.
 
-Both read lam and dx once (plus the sort's index), so the backward of the selection costs about as much memory
-traffic as one more pass over the state, instead of K passes. Used on CUDA when Triton imports.
+dx is never stored: both kernels rebuild it from D and the state x they load anyway (x_{t-1} is the previous
+row of x), which saves two state-sized tensors (x_prev and dx) and their passes over memory. Complex tensors
+arrive as float32 planes (re, im) sharing one set of element strides: interleaved views of complex64 tensors
+(view_as_real) or separate planes (the layer's split form) alike. Used on CUDA when Triton imports.
 """
 
 from __future__ import annotations
@@ -20,41 +25,87 @@ import triton.language as tl
 
 
 @triton.jit
-def _selector_grad_kernel(lam_ptr, dx_ptr, p_ptr, r_ptr, L,
-                          s_b, s_h, s_l, s_n, r_sb, r_sh, r_sl,
-                          K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                          COMPLEX: tl.constexpr):
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    n = tl.arange(0, BLOCK_N)
-    mask = (t[:, None] < L) & (n[None, :] < N)
-    off = b * s_b + h * s_h + t[:, None] * s_l + n[None, :] * s_n
-    lre = tl.load(lam_ptr + off, mask=mask, other=0.0)
-    dre = tl.load(dx_ptr + off, mask=mask, other=0.0)
+def _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, b, h, t, n, L, base, s_l, s_n, x0_off,
+             x0_sn, N: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
+    """dx = D_t * x_{t-1} for rows t (any shape [T]) and entries n: (re, im) float32 tiles [T, len(n)]."""
+    valid = (t[:, None] < L) & (n[None, :] < N) & (t[:, None] >= 0)
+    off = base[:, None] + t[:, None] * s_l + n[None, :] * s_n
+    has_prev = valid & (t[:, None] > 0)
+    dre = tl.load(d_re + off, mask=valid, other=0.0)
+    xr = tl.load(x_re + off - s_l, mask=has_prev, other=0.0)
+    if HAS_X0:
+        first = valid & (t[:, None] == 0)
+        x0 = x0_off[:, None] + n[None, :] * x0_sn
+        xr += tl.load(x0_re + x0, mask=first, other=0.0)
     if COMPLEX:
-        lim = tl.load(lam_ptr + off + 1, mask=mask, other=0.0)
-        dim = tl.load(dx_ptr + off + 1, mask=mask, other=0.0)
-    for k in range(K):
-        idx = tl.load(p_ptr + (h * K + k) * N + n, mask=n < N, other=0).to(tl.int32)
-        idx2 = tl.broadcast_to(idx[None, :], (BLOCK_T, BLOCK_N))
-        acc = tl.gather(lre, idx2, axis=1) * dre
-        if COMPLEX:
-            acc += tl.gather(lim, idx2, axis=1) * dim
-        tl.store(r_ptr + b * r_sb + h * r_sh + t * r_sl + k, tl.sum(acc, axis=1), mask=t < L)
+        dim = tl.load(d_im + off, mask=valid, other=0.0)
+        xi = tl.load(x_im + off - s_l, mask=has_prev, other=0.0)
+        if HAS_X0:
+            xi += tl.load(x0_im + x0, mask=first, other=0.0)
+        out_re = dre * xr - dim * xi
+        out_im = dre * xi + dim * xr
+    else:
+        out_re = dre * xr
+        out_im = out_re
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + b * L + t, mask=(t < L) & (t >= 0), other=0) != 0
+        out_re = tl.where(keep[:, None], out_re, 0.0)
+        out_im = tl.where(keep[:, None], out_im, 0.0)
+    return out_re, out_im
 
 
 @triton.jit
-def _dictionary_grad_kernel(lam_ptr, dx_ptr, order_ptr, start_ptr, g_ptr, L, T,
-                            s_b, s_h, s_l, s_n, TILES,
+def _selector_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, p_ptr, r_ptr, L,
+                          s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn,
+                          K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_T: tl.constexpr, REPEAT: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr,
+                          HAS_MASK: tl.constexpr):
+    for rep in range(REPEAT):   # REPEAT token blocks per program: fewer, longer programs
+        _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, p_ptr, r_ptr, L,
+                        s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, tl.program_id(0) * REPEAT + rep, tl.program_id(1),
+                        tl.program_id(2), K, N, BLOCK_N, BLOCK_K, BLOCK_T, COMPLEX, HAS_X0, HAS_MASK)
+
+
+@triton.jit
+def _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, p_ptr, r_ptr, L,
+                    s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, blk, h, b,
+                    K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_T: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
+    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.arange(0, BLOCK_N)
+    head = b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+    base = tl.zeros((BLOCK_T,), dtype=tl.int64) + head
+    x0_off = tl.zeros((BLOCK_T,), dtype=tl.int64) + (b * x0_sb + h * x0_sh)
+    dre, dim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, b, h, t, n, L, base, s_l, s_n, x0_off,
+                        x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
+    row = (base + t * s_l)[:, None, None]
+    tmask = t < L
+    out_row = ((b.to(tl.int64) * tl.num_programs(1) + h) * L + t) * K
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        # [T, BLOCK_K, N] tile: every (token, member) pair gathers its row of lam through the member's map
+        k = k0 + tl.arange(0, BLOCK_K)
+        kn = (k[:, None] < K) & (n[None, :] < N)
+        idx = tl.load(p_ptr + (h * K + k[:, None]) * N + n[None, :], mask=kn, other=0).to(tl.int64)
+        src = row + idx[None, :, :] * s_n
+        valid = tmask[:, None, None] & kn[None, :, :]
+        acc = tl.load(lam_re + src, mask=valid, other=0.0) * dre[:, None, :]
+        if COMPLEX:
+            acc += tl.load(lam_im + src, mask=valid, other=0.0) * dim[:, None, :]
+        tl.store(r_ptr + out_row[:, None] + k[None, :], tl.sum(acc, axis=2), mask=tmask[:, None] & (k[None, :] < K))
+
+
+@triton.jit
+def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
+                            work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                            SEG: tl.constexpr, COMPLEX: tl.constexpr):
-    hk = tl.program_id(0)
-    piece = tl.program_id(1)
-    tile = tl.program_id(2)
+                            SEG: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr,
+                            HAS_MASK: tl.constexpr):
+    item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
+    tile = tl.program_id(1)
     tile_n = tile // TILES
     tile_m = tile - tile_n * TILES
+    hk = tl.load(work_ptr + 2 * item)
+    piece = tl.load(work_ptr + 2 * item + 1)
     h = hk // K
     k = hk - h * K
     first = tl.load(start_ptr + h * (K + 1) + k)
@@ -65,59 +116,117 @@ def _dictionary_grad_kernel(lam_ptr, dx_ptr, order_ptr, start_ptr, g_ptr, L, T,
     m = tile_m * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
-    for s in range(begin, end, BLOCK_T):
-        valid = s + j < end
-        tok = tl.load(order_ptr + h * T + s + j, mask=valid, other=0)
+    for s in range(0, SEG, BLOCK_T):    # a fixed trip count (the interpreter cannot loop to a loaded bound)
+        valid = begin + s + j < end
+        tok = tl.load(order_ptr + h * T + begin + s + j, mask=valid, other=0)
         bb = tok // L
-        ll = tok - bb * L
-        row = bb * s_b + h * s_h + ll * s_l
-        ln = row[:, None] + n[None, :] * s_n
-        dm = row[:, None] + m[None, :] * s_n
+        ll = tl.where(valid, tok - bb * L, -1)          # -1: a row outside the slice, loads nothing
+        base = bb.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+        x0_off = bb.to(tl.int64) * x0_sb + h * x0_sh
         lmask = valid[:, None] & (n[None, :] < N)
-        dmask = valid[:, None] & (m[None, :] < N)
-        a = tl.load(lam_ptr + ln, mask=lmask, other=0.0)
-        c = tl.load(dx_ptr + dm, mask=dmask, other=0.0)
-        acc += tl.dot(tl.trans(a), c, input_precision="ieee")
+        ln = base[:, None] + ll[:, None] * s_l + n[None, :] * s_n
+        cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
+                            x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
+        a = tl.load(lam_re + ln, mask=lmask, other=0.0)
+        acc += tl.dot(tl.trans(a), cre, input_precision="ieee")
         if COMPLEX:
-            a = tl.load(lam_ptr + ln + 1, mask=lmask, other=0.0)
-            c = tl.load(dx_ptr + dm + 1, mask=dmask, other=0.0)
-            acc += tl.dot(tl.trans(a), c, input_precision="ieee")
+            a = tl.load(lam_im + ln, mask=lmask, other=0.0)
+            acc += tl.dot(tl.trans(a), cim, input_precision="ieee")
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
-    tl.atomic_add(out, acc, mask=(n[:, None] < N) & (m[None, :] < N) & (begin < end), sem="relaxed")
+    # the emptiness test as a full tile: Triton 3.9's interpreter rejects an atomic mask built with a scalar
+    nonempty = (tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.int32) + (end - begin)) > 0
+    tl.atomic_add(out, acc, mask=(n[:, None] < N) & (m[None, :] < N) & nonempty, sem="relaxed")
 
 
-def _planes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A float32 view with element strides, and whether it is complex (imaginary part at offset +1)."""
+def float_planes(t: torch.Tensor | None):
+    """(re, im) float32 views of a real or complex tensor (im None for real); complex64 views cost nothing."""
+    if t is None:
+        return None, None
     if t.is_complex():
-        return torch.view_as_real(t.to(torch.complex64).contiguous()), True
-    return t.float().contiguous(), False
+        v = torch.view_as_real(t.to(torch.complex64).contiguous())
+        return v[..., 0], v[..., 1]
+    return t.float().contiguous(), None
 
 
-def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam: torch.Tensor, dx: torch.Tensor, K: int):
-    """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors; lam, dx [B,H,L,N] real or complex."""
-    B, H, L, N = lam.shape
-    lam_f, cplx = _planes(lam)
-    dx_f, _ = _planes(dx)
-    s_b, s_h, s_l, s_n = (s for s in lam_f.stride()[:4])
+# Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/bench/kernels.md).
+SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
+DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
+
+
+def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
+                     selector_config: dict | None = None, dictionary_config: dict | None = None,
+                     parts: tuple[str, ...] = ("dictionary", "selector")):
+    """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors (None for a part left out of `parts`;
+    the configs override the defaults below, for bench/ste_kernels.py).
+
+    lam, D, x: (re, im) float32 planes [B,H,L,N] with one set of strides (im None for a real scan), or real /
+    complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
+    mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count.
+    """
+    lam, D, x, x0 = (p if isinstance(p, tuple) else float_planes(p) for p in (lam, D, x, x0))
+    (lre, lim), (dre, dim), (xre, xim) = lam, D, x
+    B, H, L, N = lre.shape
+    K = P_dict.shape[1] if K is None else K
+    cplx = lim is not None
+    strides = lre.stride()
+    for plane in (lim, dre, dim, xre, xim):
+        if plane is not None and (plane.stride() != strides or plane.shape != lre.shape):
+            raise ValueError("ste_grads_triton: lam, D and x planes must share one shape and one set of strides")
+    has_x0 = x0[0] is not None
+    x0re, x0im = (x0 if has_x0 else (lre, lim))
+    x0_strides = x0re.stride() if has_x0 else (0, 0, 0)
+    has_mask = mask is not None
+    mask_t = mask.to(torch.int8).contiguous() if has_mask else kstar
+    im = lambda p, fallback: p if p is not None else fallback  # noqa: E731 - real scans pass the re plane twice
+    planes = (lre, im(lim, lre), dre, im(dim, dre), xre, im(xim, xre), x0re, im(x0im, x0re), mask_t)
     P = P_dict.to(torch.int32).contiguous()
     block_n = max(16, triton.next_power_of_2(N))
-    r = torch.empty(B, H, L, K, device=lam.device, dtype=torch.float32)
-    block_t = max(1, min(64, 8192 // block_n))
-    _selector_grad_kernel[(triton.cdiv(L, block_t), H, B)](
-        lam_f, dx_f, P, r, L, s_b, s_h, s_l, s_n, *r.stride()[:3],
-        K=K, N=N, BLOCK_N=block_n, BLOCK_T=block_t, COMPLEX=cplx, num_warps=4)
+    G = r = None
+    if "selector" in parts:
+        r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
+                      SELECTOR_CONFIG if selector_config is None else selector_config)
+    if "dictionary" in parts:
+        G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
+                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config)
+    return G, r
 
+
+def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg):
+    r = torch.empty(B, H, L, K, device=P.device, dtype=torch.float32)
+    block_k = min(triton.next_power_of_2(K), max(1, cfg["tile"] // block_n))
+    block_t = max(1, cfg["tile"] // (block_k * block_n))
+    repeat = max(1, min(cfg["repeat"], triton.cdiv(L, block_t)))
+    _selector_grad_kernel[(triton.cdiv(L, block_t * repeat), H, B)](
+        *planes, P, r, L, *strides, *x0_strides,
+        K=K, N=N, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, REPEAT=repeat, COMPLEX=cplx, HAS_X0=has_x0,
+        HAS_MASK=has_mask, num_warps=cfg["num_warps"])
+    return r
+
+
+def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg):
+    device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
     order = torch.argsort(keys, dim=-1, stable=True).to(torch.int32).contiguous()  # token = b * L + l
-    counts = torch.zeros(H, K, device=lam.device, dtype=torch.int64).scatter_add_(1, keys, torch.ones_like(keys))
+    counts = torch.zeros(H, K, device=device, dtype=torch.int64).scatter_add_(1, keys, torch.ones_like(keys))
     starts = torch.cat([counts.new_zeros(H, 1), counts.cumsum(1)], dim=1).to(torch.int32).contiguous()  # [H, K+1]
-    G = torch.zeros(H, K, N, N, device=lam.device, dtype=torch.float32)
+    G = torch.zeros(H, K, N, N, device=device, dtype=torch.float32)
     bn = min(64, block_n)
-    seg = 512
-    pieces = max(1, triton.cdiv(int(counts.max()), seg))   # one host sync: the grid must cover the largest member
+    seg = dcfg["seg"]
+    # the grid lists only non-empty pieces: selections are skewed (one member may take most tokens of a head
+    # while others take none), and a (member x largest-piece-count) grid was mostly empty programs. Its size is
+    # the bound T/seg + K pieces per head, so no host sync is needed; items past the real count get an empty
+    # range (piece index past the member's end).
+    pieces = ((counts + seg - 1) // seg).view(-1)
+    ends = torch.cumsum(pieces, 0)
+    items = torch.arange(H * (-(-T // seg) + K), device=device)
+    hk = torch.searchsorted(ends, items, right=True).clamp_max(H * K - 1)
+    piece = torch.where(items < ends[-1], items - (ends - pieces)[hk], -(-T // seg) + 1)
+    work = torch.stack([hk, piece], dim=1).to(torch.int32).contiguous()
     tiles = triton.cdiv(N, bn)
-    _dictionary_grad_kernel[(H * K, pieces, tiles * tiles)](
-        lam_f, dx_f, order, starts, G, L, T, s_b, s_h, s_l, s_n, tiles,
-        K=K, N=N, BLOCK_N=bn, BLOCK_T=32, SEG=seg, COMPLEX=cplx, num_warps=4)
-    return G, r
+    if T:
+        _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
+            *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
+            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, COMPLEX=cplx, HAS_X0=has_x0,
+            HAS_MASK=has_mask, num_warps=dcfg["num_warps"])
+    return G

@@ -1,0 +1,99 @@
+"""The Triton kernels of the fused Flash PD-SSM backward, checked and timed at one layer's size, with launch
+configurations swept (one device call). The defaults in ops/pd_select/triton_ste.py come from this table.
+
+    PYTHONPATH=. python bench/ste_kernels.py [--batch 16 --length 4096 --heads 32 --state 32 --members 32]
+
+Rows: the selector kernel (r) per tile size x warps, the dictionary kernel (G) per segment x token block x
+warps, and for scale the pd_transition kernels and the split-plane scan. Each is checked against the torch path
+(float32) before it is timed (median of CUDA-event timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+from cuda_timing import median_ms as timed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--state", type=int, default=32)
+    ap.add_argument("--members", type=int, default=32)
+    args = ap.parse_args()
+    import triton
+
+    from llm_surgery.ops.pd_scan import cuda as scan_cuda
+    from llm_surgery.ops.pd_select.function import dictionary_grad, selector_grad
+    from llm_surgery.ops.pd_select.triton_ste import ste_grads_triton
+    from llm_surgery.ops.pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+
+    B, L, H, N, K = args.batch, args.length, args.heads, args.state, args.members
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    print(f"# fused-backward kernels, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{triton.__version__}, {datetime.date.today()}; B={B} L={L} H={H} N={N} K={K}")
+    planes = [torch.randn(B, H, L, N, device=dev, generator=g) for _ in range(6)]
+    lam, D, x = (planes[0], planes[1]), (planes[2], planes[3]), (planes[4], planes[5])
+    x0 = (torch.randn(B, H, N, device=dev, generator=g), torch.randn(B, H, N, device=dev, generator=g))
+    kstar = torch.randint(0, K, (B, H, L), device=dev, generator=g)
+    P_dict = torch.randint(0, N, (H, K, N), device=dev, generator=g).to(torch.int16)
+    lam_c, D_c, x_c = (torch.complex(*p) for p in (lam, D, x))
+    x0_c = torch.complex(*x0)
+    x_prev = torch.cat([x0_c.unsqueeze(2), x_c[:, :, :-1]], dim=2)
+    dx = D_c * x_prev
+    G_ref, r_ref = dictionary_grad(kstar, lam_c, dx, K), selector_grad(P_dict, lam_c, dx)
+    skew_keys = kstar.clone()
+    skew_keys[..., : L * 9 // 10] = 3
+    G_skew = dictionary_grad(skew_keys, lam_c, dx, K)
+    del x_prev, dx
+    print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
+    for tile in (1024, 2048, 4096):
+        for warps in (1, 2, 4):
+            for repeat in (1, 8, 32):
+                cfg = {"tile": tile, "num_warps": warps, "repeat": repeat}
+                run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
+                                               selector_config=cfg, parts=("selector",))
+                r = run()[1]
+                err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
+                print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
+                      f"{err:.1e} |", flush=True)
+    skewed = kstar.clone()
+    skewed[..., : L * 9 // 10] = 3           # one member takes 90% of every head's tokens (as early in training)
+    for name, ks in (("uniform", kstar), ("skewed", skewed)):
+        for seg in (128, 256, 512):
+            for bt in (32, 64):
+                for warps in (4, 8):
+                    cfg = {"seg": seg, "block_t": bt, "num_warps": warps}
+                    run = lambda: ste_grads_triton(P_dict, ks, lam, D, x, x0, None, K,  # noqa: E731
+                                                   dictionary_config=cfg, parts=("dictionary",))
+                    G = run()[0]
+                    ref = G_ref if name == "uniform" else G_skew
+                    err = ((G - ref).abs().max() / ref.abs().max()).item()
+                    print(f"| dictionary ({name} selection) | seg {seg}, block {bt}, {warps} warps | "
+                          f"{timed(run):.3f} | {err:.1e} |", flush=True)
+    proj = torch.randn(B, L, H, K + 2 * N, device=dev, generator=g).to(torch.bfloat16)
+    bias = torch.randn(H * N, device=dev, generator=g)
+    D_re, D_im, ks, P = transition_fwd_triton(proj, bias, P_dict, K, N)
+    print(f"| transition fwd | - | {timed(lambda: transition_fwd_triton(proj, bias, P_dict, K, N)):.3f} | - |")
+    print(f"| transition bwd | - | {timed(lambda: transition_bwd_triton(proj, bias, D_re, D_im, r_ref, 1.0, K, N)):.3f} | - |")
+    b_re, b_im = planes[0], planes[1]
+    x0c = x0_c.contiguous()
+    print(f"| scan fwd (split planes) | - | "
+          f"{timed(lambda: scan_cuda.pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0c)):.3f} | - |")
+    xr, xi = scan_cuda.pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0c)
+    print(f"| scan bwd (split planes) | - | "
+          f"{timed(lambda: scan_cuda.pd_scan_bwd_cuda_split(P, D_re, D_im, x0c, xr, xi, b_re, b_im)):.3f} | - |")
+    nbytes = B * H * L * N * 4
+    src = torch.empty(nbytes // 4, device=dev)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    print(f"| copy of one float32 plane ({nbytes / 2**20:.0f} MiB) | - | {ms:.3f} | - |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The whole selected scan of a complex Flash PD-SSM layer on the GPU, from its projection, in one autograd node.
+
+    proj [B,L,H,W] --pd_transition--> D planes, k*, P_t ; u --B--> b planes
+        --pd_scan (split planes)--> x planes --> y = Re(C x)
+    backward, one batch slice at a time: dL/dx from dL/dy -> scan backward (gather) -> straight-through sums
+    (dx rebuilt in the kernels) -> pd_transition backward -> dL/du, dL/dB
+
+Same maths as the layer's torch path (`pd_transition.naive` + `pd_select_scan` on complex tensors), which is
+its reference in tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
+complex tensor, no float32 copy of the projection and no per-slice gradient buffer is ever made, and the
+backward keeps only the projection (its own dtype), the states and the dictionary: D, P_t and k* are recomputed
+by one kernel, and every state-sized temporary lives for one batch slice. CUDA only: `usable(proj)` says whether it can run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .function import column_argmax, softmax_jacobian_apply
+
+
+def usable(t: torch.Tensor) -> bool:
+    """CUDA tensor of a kernel dtype, pd_scan kernels built and Triton importable."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    try:
+        from ..pd_scan import cuda
+        from ..pd_transition import triton_fused  # noqa: F401 - imports triton
+        from . import triton_ste  # noqa: F401
+    except ImportError:
+        return False
+    return cuda.available()
+
+
+def _weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over the batch of a^T b ([b, H, L, p], [b, H, L, n] -> [H, p, n]) with TF32 allowed: long, thin
+    GEMMs whose float32 kernels took ~10 ms per layer step; the torch path computes these in bf16."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return (a.transpose(-1, -2) @ b).sum(0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
+    """As few batch slices as the budget allows, of near-equal size (16 in 3 slices: 6, 5, 5)."""
+    n = -(-B // max(1, budget // max(1, bytes_per_sequence)))
+    bounds = [B * i // n for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+GATES = (None, "sigmoid", "hard", "decay", "off")
+
+
+def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, kind: str | None, K: int, N: int):
+    """The b-gate of FlashPDSSM from one slice of the projection [b, L, H, W]: float32 [b, H, L, 1 or N]
+    (None for no gate): sigmoid / hard of the last column, or 1 - |D_t| = sigmoid(a_t) for "decay"."""
+    if kind == "sigmoid":
+        return torch.sigmoid(proj[..., -1].float()).transpose(1, 2).unsqueeze(-1)
+    if kind == "hard":
+        return (0.5 + proj[..., -1].float()).clamp(0, 1).transpose(1, 2).unsqueeze(-1)
+    if kind == "decay":
+        H = proj.shape[2]
+        return torch.sigmoid(proj[..., K:K + N].float() + decay_bias.float().view(H, N)).transpose(1, 2)
+    return None
+
+
+def _gate_backward(proj, gate, g_gate, gproj, kind, K, N):
+    """Adds the gate's gradient (g_gate, shaped like gate) into gproj; returns its part of dL/d decay_bias."""
+    if kind == "decay":
+        g_a = (g_gate * gate * (1 - gate)).transpose(1, 2)                        # [b, L, H, N]
+        gproj[..., K:K + N] += g_a.to(gproj.dtype)
+        return g_a.sum((0, 1)).reshape(-1)
+    if kind == "sigmoid":
+        g_col = g_gate * gate * (1 - gate)
+    else:  # hard: (0.5 + z).clamp(0, 1) passes the gradient where it is not clamped
+        z = 0.5 + proj[..., -1].float().transpose(1, 2).unsqueeze(-1)
+        g_col = torch.where((z >= 0) & (z <= 1), g_gate, torch.zeros_like(g_gate))
+    gproj[..., -1] += g_col.squeeze(-1).transpose(1, 2).to(gproj.dtype)
+    return None
+
+
+class _ProjectedSelectScan(torch.autograd.Function):
+    # Both passes walk the batch in slices whose temporaries (the projection and its gradient, b and D planes,
+    # P_t, k*, dL/dx = dL/db, dL/dD, r) stay near this many bytes: the backward runs while the whole graph's
+    # activations are alive, so they add straight onto the layer's peak memory, while each slice costs some
+    # fixed launch work (bench/layer_compare.py --pdssm-slice-mib measures the trade-off).
+    SLICE_BYTES = 1 << 31
+
+    @staticmethod
+    def _slices(B, L, H, N, K, P, W):
+        return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _ProjectedSelectScan.SLICE_BYTES)
+
+    @staticmethod
+    def _injection(u_h, Bw, gate, N):
+        """b planes of one batch slice u_h [b, H, L, P]: (B_h u_t) * gate, float32 [b, H, L, N]."""
+        Bt = torch.cat([Bw[..., 0], Bw[..., 1]], dim=1).to(u_h.dtype).transpose(-1, -2)   # [H, P, 2N]
+        b = u_h.contiguous() @ Bt                                                         # one GEMM, both planes
+        b_re = b[..., :N].to(torch.float32, memory_format=torch.contiguous_format)
+        b_im = b[..., N:].to(torch.float32, memory_format=torch.contiguous_format)
+        if gate is not None:
+            b_re, b_im = b_re * gate, b_im * gate
+        return b_re, b_im
+
+    @staticmethod
+    def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate):
+        from ..pd_scan.cuda import pd_scan_fwd_cuda_split
+        from ..pd_transition.triton_fused import transition_fwd_triton
+
+        B, L, _ = u.shape
+        H, K, N = M.shape[:3]
+        P = C.shape[1]
+        W = Wx.shape[0] // H
+        u_h = u.view(B, L, H, P).transpose(1, 2)
+        P_dict = column_argmax(M)
+        Ct = C.float().transpose(1, 2)                                      # [H, N, P, 2]
+        skip = D_skip.float().view(1, H, 1, P)
+        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
+        x_im = torch.empty_like(x_re)
+        y = torch.empty_like(u)
+        for sl in _ProjectedSelectScan._slices(B, L, H, N, K, P, W):
+            b = u[sl].shape[0]
+            proj = F.linear(u[sl], Wx.to(u.dtype)).view(b, L, H, W)
+            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
+                                                       None if mask is None else mask[sl])
+            if b_gate == "off":
+                b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
+            else:
+                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bw, _gate(proj, decay_bias, b_gate, K, N), N)
+            del proj
+            xr, xi = x_re[sl], x_im[sl]
+            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
+            del D_re, D_im, P_t, b_re, b_im
+            # readout y = Re(C x) + D_skip u = x_re C_re^T - x_im C_im^T + D_skip u, written in u's layout
+            ys = torch.matmul(xr, Ct[..., 0])
+            ys -= torch.matmul(xi, Ct[..., 1])
+            ys += skip * u_h[sl]
+            y[sl].view(b, L, H, P).copy_(ys.transpose(1, 2))
+        ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
+        ctx.tau, ctx.b_gate = tau, b_gate
+        return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
+
+    @staticmethod
+    def backward(ctx, g_y, g_last_re, g_last_im):
+        from ..pd_scan.cuda import pd_scan_bwd_cuda_split
+        from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+        from .triton_ste import float_planes, ste_grads_triton
+
+        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
+        b_gate = ctx.b_gate
+        B, L, d = u.shape
+        H, K, N = M.shape[:3]
+        P = C.shape[1]
+        W = Wx.shape[0] // H
+        dev = x_re.device
+        u_h = u.view(B, L, H, P).transpose(1, 2)
+        Cf = C.float()
+        C_re, C_im = Cf[..., 0], Cf[..., 1]                                  # [H, P, N]
+        skip = D_skip.float().view(1, H, 1, P)
+        Wu = Wx.to(u.dtype)
+        gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
+        G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
+        gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
+        gskip = torch.zeros(H, P, dtype=torch.float32, device=dev)
+        gbias = torch.zeros(decay_bias.numel(), dtype=torch.float32, device=dev)
+        gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
+        g_u = torch.empty_like(u)
+        gBw = None if b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
+        for sl in _ProjectedSelectScan._slices(B, L, H, N, K, P, W):
+            m = None if mask is None else mask[sl]
+            xr, xi = x_re[sl], x_im[sl]
+            b = xr.shape[0]
+            ub = u_h[sl].float()
+            if g_y is None:
+                gy = torch.zeros(xr.shape[:3] + (P,), device=dev)
+            else:
+                gy = g_y[sl].view(b, L, H, P).transpose(1, 2).float().contiguous()  # [b, H, L, P]
+            gskip += (gy * ub).sum((0, 2))
+            g_ub = gy * skip
+            gC[0] += _weight_grad(gy, xr)
+            gC[1] -= _weight_grad(gy, xi)
+            g_re, g_im = gy @ C_re, torch.matmul(gy, C_im).neg_()
+            del gy
+            if g_last_re is not None:
+                g_re[:, :, -1] += g_last_re[sl]
+            if g_last_im is not None:
+                g_im[:, :, -1] += g_last_im[sl]
+            # scan backward; dL/db overwrites dL/dx (the kernel stages each chunk of dL/dx before writing it)
+            proj = F.linear(u[sl], Wu).view(b, L, H, W)
+            D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m)
+            gD_re, gD_im = torch.empty_like(D_re), torch.empty_like(D_im)
+            *_, gx0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
+                                                 out=(gD_re, gD_im, g_re, g_im))
+            gb_re, gb_im = g_re, g_im
+            del P_t
+            # straight-through sums, then the transition's own backward
+            G_s, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
+                                      m, K)
+            G += G_s
+            del D_re, D_im, kstar
+            gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m)
+            gbias += gbias_s.view(-1)
+            del gD_re, gD_im, r
+            # injection b = (B_h u_t) * gate
+            if b_gate != "off":
+                gate = _gate(proj, decay_bias, b_gate, K, N)
+                if gate is not None:
+                    b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bw, None, N)
+                    gg = gb_re * b0_re + gb_im * b0_im
+                    del b0_re, b0_im
+                    g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
+                    g_bias_gate = _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N)
+                    if g_bias_gate is not None:
+                        gbias += g_bias_gate
+                    gb_re, gb_im = gb_re * gate, gb_im * gate
+                gBw[0] += _weight_grad(gb_re, ub)
+                gBw[1] += _weight_grad(gb_im, ub)
+                Bf = Bw.float()
+                g_ub += gb_re @ Bf[..., 0]
+                g_ub += gb_im @ Bf[..., 1]
+            # the projection proj = u Wx^T
+            gp = gproj.view(b * L, H * W)
+            gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+            g_us = (gp @ Wu).view(b, L, H, P).float()
+            g_us += g_ub.transpose(1, 2)
+            g_u[sl].view(b, L, H, P).copy_(g_us)
+            del gproj, gp, g_us, g_ub
+        gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
+        gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
+        gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
+        return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
+                gskip.to(D_skip.dtype), None, None, None)
+
+
+def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
+                             Bw: torch.Tensor, x0: torch.Tensor, C: torch.Tensor, D_skip: torch.Tensor,
+                             tau: float = 1.0, mask: torch.Tensor | None = None, b_gate: str | None = None):
+    """(y [B,L,H*P] in u's dtype, x_last_re [B,H,N], x_last_im [B,H,N] float32): the middle of a complex
+    FlashPDSSM layer, from its input u to its readout y = Re(C_h x_t) + D_skip * u_t, with the hard-selected
+    scan x_t = P_t D_t x_{t-1} + b_t, its last state, and straight-through gradients.
+
+    u [B,L,H*P] (any strides that let its last dim split into heads); Wx [H*W, H*P] the x_proj weight, whose
+    output per head and token is pd_transition's layout (K selector logits | N decay logits | N phases | the
+    b-gate's column when it has one); decay_bias [H*N]; M [H,K,N,N] dictionary logits; Bw [H,N,P,2] (re, im)
+    injection b_t = (B_h u_t) * gate; x0 [B,H,N] complex64 (the state before the first token); C [H,P,N,2]
+    (re, im) readout; D_skip [H,P]; mask [B,L] (0 = padding); b_gate one of GATES (FlashPDSSM's option).
+    CUDA only (`usable`). Everything state-sized (the projection, b, D, dL/dx, ...) exists one batch slice at a
+    time, in both passes.
+    """
+    H, K, N, _ = M.shape
+    if u.dim() != 3:
+        raise ValueError(f"pd_select_scan_projected: u must be [B, L, H*P], got {tuple(u.shape)}")
+    B, L, d = u.shape
+    if C.dim() != 4 or C.shape[0] != H or C.shape[2] != N or C.shape[3] != 2 or C.shape[1] * H != d:
+        raise ValueError(f"pd_select_scan_projected: C must be [H={H}, P={d // H}, N={N}, 2], got {tuple(C.shape)}")
+    P = C.shape[1]
+    if Wx.dim() != 2 or Wx.shape[1] != d or Wx.shape[0] % H or Wx.shape[0] // H < K + 2 * N:
+        raise ValueError(f"pd_select_scan_projected: Wx must be [H*W, {d}] with W >= K + 2N = {K + 2 * N}, "
+                         f"got {tuple(Wx.shape)}")
+    if decay_bias.numel() != H * N:
+        raise ValueError(f"pd_select_scan_projected: decay_bias must hold H*N = {H * N} values, "
+                         f"got {decay_bias.numel()}")
+    if D_skip.shape != (H, P):
+        raise ValueError(f"pd_select_scan_projected: D_skip must be [H, P] = {(H, P)}, got {tuple(D_skip.shape)}")
+    if Bw.shape != (H, N, P, 2):
+        raise ValueError(f"pd_select_scan_projected: Bw must be [H, N, P, 2] = {(H, N, P, 2)}, got {tuple(Bw.shape)}")
+    if b_gate not in GATES:
+        raise ValueError(f"pd_select_scan_projected: b_gate must be one of {GATES}, got {b_gate!r}")
+    if b_gate in ("sigmoid", "hard") and Wx.shape[0] // H < K + 2 * N + 1:
+        raise ValueError(f"pd_select_scan_projected: b_gate={b_gate!r} needs a gate column after K + 2N per head")
+    if x0.shape != (B, H, N) or x0.dtype != torch.complex64:
+        raise ValueError(f"pd_select_scan_projected: x0 must be complex64 [B, H, N] = {(B, H, N)}, "
+                         f"got {x0.dtype} {tuple(x0.shape)}")
+    if mask is not None and mask.shape != (B, L):
+        raise ValueError(f"pd_select_scan_projected: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
+    if tau <= 0:
+        raise ValueError(f"pd_select_scan_projected: tau must be > 0, got {tau}")
+    return _ProjectedSelectScan.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate)
