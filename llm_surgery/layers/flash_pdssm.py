@@ -104,10 +104,10 @@ class FlashPDSSM(nn.Module):
             self.x_proj.weight.mul_(0.5)
 
     DICT_INITS = ("normal", "permutation", "identity")
-    # Complex layers on CUDA run the fused scan (ops/pd_select/projected.py); False forces the torch path,
+    B_GATES = projected.GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
+    # Complex layers on CUDA run the fused op (ops/pd_select/projected.py); False forces the torch path,
     # which is the fused path's reference in tests.
     fused = True
-    B_GATES = (None, "sigmoid", "hard", "decay", "off")
 
     @staticmethod
     def _init_dictionary(H: int, K: int, N: int, how: str) -> torch.Tensor:
