@@ -19,7 +19,8 @@ GATES = (None, "sigmoid", "hard", "decay", "off")
 
 
 def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
-    """Largest relative deviation (fused vs torch path) per b-gate and padding case."""
+    """Relative deviations (fused vs torch path) per b-gate and padding case, of the outputs, the last state, the
+    input and parameter gradients, and of the output computed in two calls that carry the state."""
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
     torch.manual_seed(0)
     worst = {}
@@ -39,8 +40,12 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
                 xx = x.clone().requires_grad_(True)
                 y, (_, x_last) = layer(xx, attention_mask=mask if masked else None, return_state=True)
                 y.backward(grad)
+                with torch.no_grad():  # continuing from a carried state (generation) must equal one pass
+                    cut = L // 2
+                    y1, state = layer(x[:, :cut], return_state=True)
+                    y2, _ = layer(x[:, cut:], state=state, return_state=True)
                 results.append({"y": y.detach().float(), "x_last": torch.view_as_real(x_last.detach()),
-                                "grad_x": xx.grad.float(),
+                                "grad_x": xx.grad.float(), "y_in_two_calls": torch.cat([y1, y2], 1).float(),
                                 **{n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}})
             assert results[-1].keys() == results[0].keys(), "the paths give gradients to different parameters"
             rel = {k: ((results[1][k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in results[0].items()}
