@@ -1,15 +1,15 @@
-"""The whole selected scan of a complex Flash PD-SSM layer on the GPU, from its projection, in one autograd node.
+"""The middle of a complex Flash PD-SSM layer on the GPU, from its input u to its readout, in one autograd node.
 
-    proj [B,L,H,W] --pd_transition--> D planes, k*, P_t ; u --B--> b planes
-        --pd_scan (split planes)--> x planes --> y = Re(C x)
+    u --x_proj--> proj --pd_transition--> D planes, k*, P_t ;  u --B--> b planes
+        --pd_scan (split planes)--> x planes --> y = Re(C x) + D_skip u
     backward, one batch slice at a time: dL/dx from dL/dy -> scan backward (gather) -> straight-through sums
-    (dx rebuilt in the kernels) -> pd_transition backward -> dL/du, dL/dB
+    (dx rebuilt in the kernels) -> pd_transition backward -> dL/du and the weights' gradients
 
-Same maths as the layer's torch path (`pd_transition.naive` + `pd_select_scan` on complex tensors), which is
-its reference in tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
-complex tensor, no float32 copy of the projection and no per-slice gradient buffer is ever made, and the
-backward keeps only the projection (its own dtype), the states and the dictionary: D, P_t and k* are recomputed
-by one kernel, and every state-sized temporary lives for one batch slice. CUDA only: `usable(proj)` says whether it can run.
+Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_readout`), which is its reference in
+tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
+complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the states and the
+weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
+batch slice. CUDA only: `usable(u)` says whether it can run.
 """
 
 from __future__ import annotations
@@ -94,10 +94,15 @@ class _ProjectedSelectScan(torch.autograd.Function):
         return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _ProjectedSelectScan.SLICE_BYTES)
 
     @staticmethod
-    def _injection(u_h, Bw, gate, N):
-        """b planes of one batch slice u_h [b, H, L, P]: (B_h u_t) * gate, float32 [b, H, L, N]."""
-        Bt = torch.cat([Bw[..., 0], Bw[..., 1]], dim=1).to(u_h.dtype).transpose(-1, -2)   # [H, P, 2N]
-        b = u_h.contiguous() @ Bt                                                         # one GEMM, both planes
+    def _injection_weight(Bw, dtype):
+        """[H, P, 2N]: both planes of B_h^T side by side, so b is one GEMM."""
+        return torch.cat([Bw[..., 0], Bw[..., 1]], dim=1).to(dtype).transpose(-1, -2)
+
+    @staticmethod
+    def _injection(u_h, Bt, gate, N):
+        """b planes of one batch slice u_h [b, H, L, P]: (B_h u_t) * gate, float32 [b, H, L, N]; Bt from
+        `_injection_weight`."""
+        b = u_h.contiguous() @ Bt
         b_re = b[..., :N].to(torch.float32, memory_format=torch.contiguous_format)
         b_im = b[..., N:].to(torch.float32, memory_format=torch.contiguous_format)
         if gate is not None:
@@ -117,18 +122,20 @@ class _ProjectedSelectScan(torch.autograd.Function):
         P_dict = column_argmax(M)
         Ct = C.float().transpose(1, 2)                                      # [H, N, P, 2]
         skip = D_skip.float().view(1, H, 1, P)
+        Wu = Wx.to(u.dtype)
+        Bt = None if b_gate == "off" else _ProjectedSelectScan._injection_weight(Bw, u.dtype)
         x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
         x_im = torch.empty_like(x_re)
         y = torch.empty_like(u)
         for sl in _ProjectedSelectScan._slices(B, L, H, N, K, P, W):
             b = u[sl].shape[0]
-            proj = F.linear(u[sl], Wx.to(u.dtype)).view(b, L, H, W)
+            proj = F.linear(u[sl], Wu).view(b, L, H, W)
             D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
                                                        None if mask is None else mask[sl])
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
-                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bw, _gate(proj, decay_bias, b_gate, K, N), N)
+                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bt, _gate(proj, decay_bias, b_gate, K, N), N)
             del proj
             xr, xi = x_re[sl], x_im[sl]
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
@@ -160,6 +167,9 @@ class _ProjectedSelectScan(torch.autograd.Function):
         C_re, C_im = Cf[..., 0], Cf[..., 1]                                  # [H, P, N]
         skip = D_skip.float().view(1, H, 1, P)
         Wu = Wx.to(u.dtype)
+        if b_gate != "off":
+            Bt = _ProjectedSelectScan._injection_weight(Bw, u.dtype)
+            Bf = Bw.float()
         gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
         G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
         gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
@@ -207,7 +217,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             if b_gate != "off":
                 gate = _gate(proj, decay_bias, b_gate, K, N)
                 if gate is not None:
-                    b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bw, None, N)
+                    b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bt, None, N)
                     gg = gb_re * b0_re + gb_im * b0_im
                     del b0_re, b0_im
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
@@ -217,7 +227,6 @@ class _ProjectedSelectScan(torch.autograd.Function):
                     gb_re, gb_im = gb_re * gate, gb_im * gate
                 gBw[0] += _weight_grad(gb_re, ub)
                 gBw[1] += _weight_grad(gb_im, ub)
-                Bf = Bw.float()
                 g_ub += gb_re @ Bf[..., 0]
                 g_ub += gb_im @ Bf[..., 1]
             # the projection proj = u Wx^T

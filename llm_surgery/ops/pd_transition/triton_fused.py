@@ -143,12 +143,12 @@ def transition_fwd_triton(proj, decay_bias, P_dict, K: int, N: int, mask=None):
     return D_re, D_im, kstar, P
 
 
-def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int, N: int, mask=None, out=None):
-    """(dL/dproj [B,L,H,W] in proj's dtype (written into `out` when given, a contiguous tensor like proj), dL/d decay_bias in its dtype and shape) from dL/dD planes
+def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int, N: int, mask=None):
+    """(dL/dproj [B,L,H,W] in proj's dtype, dL/d decay_bias in its dtype and shape) from dL/dD planes
     [B,H,L,N] and the selector's straight-through sums r [B,H,L,K]."""
     proj, bias_c = _check(proj, decay_bias, K, N)
     B, L, H, W = proj.shape
-    gproj = torch.empty_like(proj) if out is None else out
+    gproj = torch.empty_like(proj)
     gbias = torch.zeros(H * N, device=proj.device, dtype=torch.float32)
     if B * L:
         block_k, block_n, block_t, grid = _launch_shape(L, H, B, K, N)
