@@ -11,7 +11,8 @@ by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at 
 as one JSON line per run as they finish, and the tables are printed at the end.
 The pdssm options are the CLI's defaults (llm_surgery/bench/state_tracking/train.py: cli_defaults; the
 one-layer sizes in ONE_LAYER_RECIPES); Table 1 also runs the other preset for comparison (--t1-presets).
-See docs/bench/state_tracking.md.
+--t1-variants names pdssm option sets of VARIANTS to compare on Table 1 (session 5's sweep); --mps runs the
+processes under NVIDIA MPS. See docs/bench/state_tracking.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import argparse
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -31,6 +35,23 @@ from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRE
                                                     preset_for, quick_triton_autotune, train)
 
 GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
+# Named pdssm variants for Table 1 (--t1-variants): options over the CLI defaults, compared side by side.
+VARIANTS = {
+    "decay": dict(mixer=dict(b_gate="decay", x_init_std=1.0, decay_range=(1e-4, 1e-3))),
+    "snap": dict(mixer=dict(unit_snap=0.01)),
+    "decay+snap": dict(mixer=dict(b_gate="decay", x_init_std=1.0, unit_snap=0.01)),
+    "decay+snap+perm": dict(mixer=dict(b_gate="decay", x_init_std=1.0, unit_snap=0.01, dict_init="permutation")),
+    "snap5": dict(mixer=dict(unit_snap=0.05)),
+    "decay+snap5": dict(mixer=dict(b_gate="decay", x_init_std=1.0, unit_snap=0.05)),
+    "snap+q60": dict(mixer=dict(unit_snap=0.01, phase_levels=60)),
+    "snap+q12": dict(mixer=dict(unit_snap=0.01, phase_levels=12)),
+    "decay+snap+q60": dict(mixer=dict(b_gate="decay", x_init_std=1.0, unit_snap=0.01, phase_levels=60)),
+    "snap+q10": dict(mixer=dict(unit_snap=0.01, phase_levels=10)),
+    "snap+q10+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=10, conv_kernel=1)),
+    "snap+q60+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=60, conv_kernel=1)),
+    "robust+snap+q10": dict(mixer=dict(PDSSM_PRESETS["robust"], unit_snap=0.01, phase_levels=10)),
+    "no-curriculum": dict(curriculum_frac=0.0),
+}
 
 
 def plan(args) -> list[TrainConfig]:
@@ -45,6 +66,13 @@ def plan(args) -> list[TrainConfig]:
             for seed in range(seeds):
                 cfgs.append(cli_defaults(task=task, kind=kind, preset=preset, seed=seed, n_layers=2,
                                          d_model=args.d_model, batch_size=args.batch_size, **base))
+    for name in (v for v in args.t1_variants.split(",") if v):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        for task in TABLE1_TASKS:
+            for seed in range(args.t1_variant_seed_start, args.t1_variant_seed_start + args.t1_variant_seeds):
+                cfgs.append(cli_defaults(task=task, kind="pdssm", seed=seed, n_layers=2, d_model=args.d_model,
+                                         batch_size=args.batch_size, name=name, **VARIANTS[name], **base))
     for task in GROUP_TASKS:
         for kind, seeds in (("pdssm", args.g_pdssm_seeds), ("mamba2", args.g_other_seeds),
                             ("deltanet", args.g_other_seeds)):
@@ -76,6 +104,31 @@ def with_time_limits(cfgs: list[TrainConfig], budget: float, jobs: int, reserve:
     return out
 
 
+def start_mps() -> bool:
+    """Start NVIDIA's MPS daemon (if this machine has it) before any CUDA work: without it the GPU time-slices
+    between the runs' processes, one at a time; with it their small kernels run side by side (session 5, H200: 16
+    graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned workers inherit the pipe directory.
+    False (and the environment left as it was) where MPS is missing or a CUDA client cannot start under it."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if not control:
+        return False
+    env_before = {k: os.environ.get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}
+    for key in env_before:
+        os.environ.setdefault(key, tempfile.mkdtemp(prefix=key.lower() + "_"))
+    subprocess.run([control, "-d"], capture_output=True, stdin=subprocess.DEVNULL)  # it may be running already
+    probe = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1).cuda()"], capture_output=True,
+                           timeout=120)
+    if probe.returncode == 0:
+        return True
+    subprocess.run([control], input=b"quit\n", capture_output=True)
+    for key, value in env_before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return False
+
+
 def warm_up(device: str, d_model: int) -> float:
     """Build the pd_scan CUDA extension and compile the Triton kernels (at the runs' sizes) once, in this
     process, so that the parallel workers load them from the on-disk caches instead of all compiling at once."""
@@ -93,6 +146,8 @@ def model_name(row: dict) -> str:
     """'pdssm' for the CLI's default options at the row's depth, 'pdssm (robust preset)' etc. otherwise."""
     if row["kind"] != "pdssm":
         return row["kind"]
+    if row["config"].get("name"):
+        return f"pdssm ({row['config']['name']})"
     mixer = {k: tuple(v) if isinstance(v, list) else v for k, v in row["config"]["mixer"].items()}
     for name, opts in sorted(PDSSM_PRESETS.items(), key=lambda kv: -len(kv[1])):
         if opts.items() <= mixer.items():
@@ -168,8 +223,12 @@ def parse_args(argv=None):
     ap.add_argument("--t1-presets", default=",".join(p for p in sorted(PDSSM_PRESETS) if p != preset_for(2)),
                     help="other pdssm presets to compare in Table 1 (comma list; '' for none)")
     ap.add_argument("--t1-preset-seeds", type=int, default=2)
+    ap.add_argument("--t1-variants", default="", help=f"named pdssm variants for Table 1: {', '.join(VARIANTS)}")
+    ap.add_argument("--t1-variant-seeds", type=int, default=1)
+    ap.add_argument("--t1-variant-seed-start", type=int, default=0, help="first seed of the variants' runs")
     ap.add_argument("--g-pdssm-seeds", type=int, default=5)
     ap.add_argument("--g-other-seeds", type=int, default=1)
+    ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
     ap.add_argument("--summarize", default=None, help="print the tables of this JSONL file and exit")
@@ -195,6 +254,8 @@ def main(argv=None) -> int:
                   f"limit {c.time_limit_s:.0f}s")
         return 0
     quick = args.device.startswith("cuda")
+    if quick and args.mps:
+        print(f"MPS: {start_mps()}", flush=True)
     if quick:
         print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
         print(f"warm-up (kernel builds, compiles): {warm_up(args.device, args.d_model):.0f}s", flush=True)

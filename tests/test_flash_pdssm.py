@@ -185,3 +185,36 @@ def test_bf16_layer_keeps_few_activations_for_backward():
     # float32 [B,L,H,N] copies cost 4*H*N = 1 KiB/token each at this width (H*N = 256); the scan itself needs
     # D and x (complex64: 2 KiB each), the selector logits and |D| (float32)
     assert per_token < 14 * 1024, per_token
+
+
+def test_unit_snap_reaches_exactly_one_and_stops_the_decay_gate():
+    layer = _layer(unit_snap=0.01, b_gate="decay")
+    with torch.no_grad():  # decays from 1e-4 (locked at |D| = 1) to ~1 (free): both regimes present
+        layer.decay_bias.copy_(torch.linspace(-9.0, 1.0, layer.decay_bias.numel()))
+    _, D, b = layer._ssm_inputs(torch.randn(2, 7, 48, dtype=torch.float64))
+    mag = D.abs()
+    locked = mag == 1.0
+    assert locked.any() and (~locked).any() and mag.max() <= 1.0
+    assert torch.all(b[locked] == 0)  # a kept entry takes no input
+    free = _layer(b_gate="decay")  # without the snap no magnitude is exactly 1
+    with torch.no_grad():
+        free.decay_bias.copy_(layer.decay_bias)
+    assert free._ssm_inputs(torch.randn(2, 7, 48, dtype=torch.float64))[1].abs().max() < 1.0
+
+
+def test_phase_levels_round_forward_and_pass_gradients_straight_through():
+    import math
+    layer = _layer(phase_levels=10)
+    u = torch.randn(2, 7, 48, dtype=torch.float64)
+    _, D, _ = layer._ssm_inputs(u)
+    q = torch.angle(D) / (2 * math.pi / 10)
+    assert torch.allclose(q, q.round(), atol=1e-9)
+    # straight through: the phase columns of x_proj get the gradient of the rounded phases (not zero)
+    (D.real.sum() + D.imag.sum()).backward()
+    K, N, H = layer.dict_size, layer.state_size, layer.num_heads
+    g = layer.x_proj.weight.grad.view(H, -1, layer.x_proj.weight.shape[1])[:, K + N:K + 2 * N]
+    assert g.abs().sum() > 0
+    with pytest.raises(ValueError, match="phase_levels"):
+        FlashPDSSM(48, num_heads=4, complex=False, phase_levels=4)
+    with pytest.raises(ValueError, match="unit_snap"):
+        FlashPDSSM(48, num_heads=4, unit_snap=-0.1)

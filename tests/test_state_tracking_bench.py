@@ -65,7 +65,9 @@ def test_restarts_continue_the_candidate_with_the_lowest_training_loss():
 def test_cli_defaults_per_kind():
     p = cli_defaults("pdssm", task="s3", n_layers=1)
     assert p.mixer == PDSSM_PRESETS["robust"] and p.task == "s3"  # auto: one layer -> robust
-    assert cli_defaults("pdssm", n_layers=2).mixer == {} and cli_defaults("pdssm").mixer == {}  # deeper -> layer
+    deeper = cli_defaults("pdssm", n_layers=2).mixer
+    assert deeper == PDSSM_PRESETS["tracking"] == cli_defaults("pdssm").mixer  # deeper -> tracking
+    assert deeper["unit_snap"] > 0 and deeper["phase_levels"] == 60 and preset_for(2) == "tracking"
     assert cli_defaults("pdssm", preset="robust", n_layers=2, mixer={"conv_kernel": 4}).mixer == {
         **PDSSM_PRESETS["robust"], "conv_kernel": 4}
     assert preset_for(1) == "robust" and preset_for(3, "layer") == "layer"

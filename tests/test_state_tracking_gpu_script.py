@@ -20,9 +20,24 @@ def test_plan_covers_both_issues_with_the_cli_defaults():
         assert all((kind, t, 1) in key for t in gpu.GROUP_TASKS)
     g = [c for c in cfgs if c.kind == "pdssm" and c.task in gpu.GROUP_TASKS]
     assert len(g) == 20 and all(c.n_layers == 1 for c in g)
-    default = gpu.cli_defaults("pdssm")
+    default = gpu.cli_defaults("pdssm", n_layers=1)
     assert all(c.mixer.items() >= default.mixer.items() and c.restarts == default.restarts for c in g)
     assert all(c.d_model == 128 and c.batch_size == 256 and c.lr == 2e-3 for c in cfgs if c.n_layers == 2)
+    t1 = [c.mixer for c in cfgs if c.kind == "pdssm" and c.n_layers == 2]  # the default preset's seeds first
+    assert t1[:2 * len(gpu.TABLE1_TASKS)] == [gpu.PDSSM_PRESETS["tracking"]] * 2 * len(gpu.TABLE1_TASKS)
+    assert {} in t1 and gpu.PDSSM_PRESETS["robust"] in t1  # the other presets, for comparison
+
+
+def test_plan_of_named_variants():
+    args = gpu.parse_args(["--device", "cpu", "--t1-pdssm-seeds", "0", "--t1-presets", "", "--t1-other-seeds", "0",
+                           "--g-pdssm-seeds", "0", "--g-other-seeds", "0", "--t1-variants", "snap+q10+conv1",
+                           "--t1-variant-seeds", "2", "--t1-variant-seed-start", "3"])
+    cfgs = gpu.plan(args)
+    assert len(cfgs) == 2 * len(gpu.TABLE1_TASKS) and {c.seed for c in cfgs} == {3, 4}
+    assert all(c.name == "snap+q10+conv1" and c.mixer["phase_levels"] == 10 and c.mixer["conv_kernel"] == 1
+               for c in cfgs)
+    with pytest.raises(SystemExit, match="unknown variant"):
+        gpu.plan(gpu.parse_args(["--device", "cpu", "--t1-variants", "nope"]))
 
 
 @pytest.mark.parametrize("runs,jobs", [(48, 16), (48, 24), (10, 16)])
@@ -39,7 +54,8 @@ def test_summary_tables(tmp_path):
     for kind in ("pdssm", "deltanet"):
         for task in gpu.TABLE1_TASKS:
             rows.append({"kind": kind, "task": task, "seed": 0, "acc_mean": 0.5, "acc_max_len": 0.5,
-                         "train_loss": 0.1, "steps_run": 10, "config": {"n_layers": 2, "mixer": {}}})
+                         "train_loss": 0.1, "steps_run": 10,
+                         "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["tracking"]) if kind == "pdssm" else {}}})
     rows.append({"kind": "pdssm", "task": "s3", "seed": 0, "acc_mean": 1.0, "acc_max_len": 1.0, "train_loss": 0.0,
                  "steps_run": 10, "config": {"n_layers": 1, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
     rows.append({**rows[0], "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
@@ -47,6 +63,25 @@ def test_summary_tables(tmp_path):
     assert "| pdssm | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 | 50.0 | 1 | 10-10 |" in text
     assert "| s3 | pdssm | 1 of 1 | 100.0 |" in text and "mamba2" not in text
     assert "| pdssm (robust preset) | 50.0 ± 0.0 | — |" in text
+    assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}}}) == "pdssm (layer preset)"
+    assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}, "name": "snap"}}) == "pdssm (snap)"
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert gpu.main(["--summarize", str(path)]) == 0
+
+
+def test_start_mps_falls_back_and_restores_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
+    assert gpu.start_mps() is False
+    # a daemon that starts, but a CUDA client that cannot (this machine has no GPU): quit it, restore the env
+    log = tmp_path / "calls"
+    fake = tmp_path / "nvidia-cuda-mps-control"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" $(cat) >> {log}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: str(fake))
+    monkeypatch.setattr(gpu.sys, "executable", "false")
+    assert gpu.start_mps() is False
+    assert log.read_text().split("\n")[:2] == ["-d", "quit"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in gpu.os.environ and "CUDA_MPS_LOG_DIRECTORY" not in gpu.os.environ

@@ -46,7 +46,8 @@ class FlashPDSSM(nn.Module):
                  state_size: int | None = None, dict_size: int | None = None, expand: int = 1,
                  conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
                  dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
-                 layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0):
+                 layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0,
+                 unit_snap: float = 0.0, phase_levels: int = 0):
         super().__init__()
         if hidden_size <= 0:
             raise ValueError(f"FlashPDSSM: hidden_size must be positive, got {hidden_size}")
@@ -73,6 +74,18 @@ class FlashPDSSM(nn.Module):
             raise ValueError(f"FlashPDSSM: x_init_std must be >= 0, got {x_init_std}")
         if b_gate == "off" and not x_init_std:
             raise ValueError("FlashPDSSM: b_gate='off' needs x_init_std > 0, else the state stays zero")
+        if unit_snap < 0:
+            raise ValueError(f"FlashPDSSM: unit_snap must be >= 0, got {unit_snap}")
+        # unit_snap s > 0: |D| = min(1, (1 + s) sigmoid(-a)), so a magnitude reaches exactly 1 (a state entry that
+        # keeps forever, and takes no input under b_gate="decay") once its decay is below ~s, instead of only
+        # approaching 1; trained on short words, a decay of 1e-2 looks as good as none (state tracking).
+        self.unit_snap = float(unit_snap)
+        if phase_levels < 0 or (phase_levels and not complex):
+            raise ValueError(f"FlashPDSSM: phase_levels must be >= 0 and needs complex=True, got {phase_levels}")
+        # phase_levels Q > 0: phases rounded to multiples of 2 pi / Q in the forward pass (straight-through in the
+        # backward), so a rotation that tracks a cyclic count (parity: pi, a 5-cycle: 2 pi / 5) is exact; a
+        # learned continuous phase is off by a little, and the error grows with the length of the word.
+        self.phase_levels = int(phase_levels)
         self.b_gate = b_gate
         H, P, N, K = num_heads, head_dim, state_size, dict_size
 
@@ -144,9 +157,15 @@ class FlashPDSSM(nn.Module):
         sel = proj[..., :K].contiguous()
         a = proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N)
         mag = torch.sigmoid(-a)
+        if self.unit_snap:
+            mag = (mag * (1 + self.unit_snap)).clamp(max=1)
         b_parts = torch.einsum("blhp,hnpc->bhlnc", u.view(Bsz, L, H, P), self.B.to(u.dtype)).to(cd)
         if self.complex:
-            D = torch.polar(mag, proj[..., K + N:K + 2 * N])
+            phase = proj[..., K + N:K + 2 * N]
+            if self.phase_levels:
+                step = 2 * math.pi / self.phase_levels
+                phase = phase + (torch.round(phase / step) * step - phase).detach()
+            D = torch.polar(mag, phase)
             b = torch.view_as_complex(b_parts if b_parts.stride(-1) == 1 else b_parts.contiguous())
         else:
             D, b = mag, b_parts[..., 0]
@@ -157,7 +176,7 @@ class FlashPDSSM(nn.Module):
         elif self.b_gate == "hard":  # exactly 0 for gate logits <= -0.5: ordinary tokens can inject nothing
             b = b * (0.5 + proj[..., -1:]).clamp(0, 1)
         elif self.b_gate == "decay":  # b scaled by 1 - |D| (Mamba-style): a state that keeps, takes nothing in
-            b = b * torch.sigmoid(a)  # 1 - |D_t|
+            b = b * (1 - mag if self.unit_snap else torch.sigmoid(a))  # 1 - |D_t|
         return sel, D, b
 
     def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -208,7 +227,7 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        if self.fused and self.complex and projected.usable(u):
+        if self.fused and self.complex and not (self.unit_snap or self.phase_levels) and projected.usable(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
@@ -240,4 +259,5 @@ class FlashPDSSM(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"state_size={self.state_size}, dict_size={self.dict_size}, complex={self.complex}, tau={self.tau}, "
-                f"b_gate={self.b_gate}")
+                f"b_gate={self.b_gate}" + (f", unit_snap={self.unit_snap}" if self.unit_snap else "")
+                + (f", phase_levels={self.phase_levels}" if self.phase_levels else ""))

@@ -46,6 +46,8 @@ def parse_args(argv=None):
                    help="train R candidates for --restart-frac of the run, continue the best by training loss "
                         "(default: per kind, see --curriculum, else 1)")
     p.add_argument("--restart-frac", type=float, default=None)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run every training step eagerly (default: one CUDA graph per sequence length)")
     p.add_argument("--full-autotune", action="store_true",
                    help="CUDA: let Triton autotune every config (default: keep the first that runs)")
     p.add_argument("--mixer", default="{}", help="JSON of extra mixer options, e.g. '{\"complex\": false}'")
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
                     curriculum_step=args.curriculum_step,
                     tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
                     time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
-                    eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch))
+                    eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch,
+                    cuda_graphs=False if args.no_cuda_graphs else None))
     rows = []
     quick = args.device.startswith("cuda") and not args.full_autotune
     for r in _run_all(configs, args.jobs, quick_autotune=quick):

@@ -14,16 +14,21 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.flash_pdssm import tau_schedule
+from .graphed_step import GraphedTrainStep
 from .model import StateTracker
 from .tasks import get_task
 
 # Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
 ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
-PDSSM_PRESETS = {"layer": {}, "robust": ROBUST_PDSSM}
-# The CLI's default for pdssm: "robust" for one layer, FlashPDSSM's own defaults ("layer") for deeper models.
-# Measured (docs/bench/state_tracking.md, session 2): one layer learns and length-generalises state tracking
-# only with the robust options; with two complex layers (Table 1) the robust options leave cycle navigation at
-# chance (its conv-free blocks do not even fit short words) and the layer defaults do better on average.
+# Two or more complex layers (Table 1, session 5): magnitudes that can reach exactly 1, phases on a grid of
+# 2 pi / 60 (exact rotations for cycles of 2, 3, 4, 5, 6), no convolution. What broke length generalisation was
+# drift: a decay of 1e-2 or a phase off by 0.02 rad costs nothing at length 40 and everything at 256.
+TRACKING_PDSSM = dict(unit_snap=0.01, phase_levels=60, conv_kernel=1)
+PDSSM_PRESETS = {"layer": {}, "robust": ROBUST_PDSSM, "tracking": TRACKING_PDSSM}
+# The CLI's default for pdssm: "robust" for one layer, "tracking" for deeper models. Measured
+# (docs/bench/state_tracking.md): one layer learns and length-generalises state tracking only with the robust
+# options; with two complex layers (Table 1, H200, ~14.5k steps) the tracking options average 87.9% over the
+# four tasks (3 seeds) where the layer defaults gave 66-83% (1 seed, 4.3k-6.2k steps).
 DEFAULT_PRESET = "auto"
 
 
@@ -31,7 +36,7 @@ def preset_for(n_layers: int, preset: str | None = None) -> str:
     """Resolve the pdssm preset name ("auto" or None -> by depth, see DEFAULT_PRESET)."""
     preset = preset or DEFAULT_PRESET
     if preset == "auto":
-        return "robust" if n_layers == 1 else "layer"
+        return "robust" if n_layers == 1 else "tracking"
     if preset not in PDSSM_PRESETS:
         raise ValueError(f"unknown pdssm preset {preset!r}; choose from auto, {', '.join(PDSSM_PRESETS)}")
     return preset
@@ -67,6 +72,8 @@ class TrainConfig:
     restarts: int = 1  # > 1: train this many candidates briefly, continue the best by training loss
     restart_frac: float = 0.1  # fraction of the run (steps or time) each candidate trains before selection
     mixer: dict = field(default_factory=dict)  # options for the mixer (build_mixer / FlashPDSSM)
+    name: str = ""  # a label for reports (e.g. a named variant of the options)
+    cuda_graphs: bool = True  # CUDA: replay each step as a graph (graphed_step.py); not while tau anneals
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -175,7 +182,7 @@ def build_model(cfg: TrainConfig) -> StateTracker:
                         kind=cfg.kind, **opts)
 
 
-class _Run:
+class TrainRun:
     """One model with its optimizer, data stream and clock; `advance` trains it up to a fraction of the run."""
 
     def __init__(self, cfg: TrainConfig, seed: int, task, device):
@@ -183,7 +190,14 @@ class _Run:
         torch.manual_seed(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.model = build_model(cfg).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # a step depends on tau only through kernel arguments, which a captured graph freezes
+        self.graphed = cfg.cuda_graphs and device.type == "cuda" and cfg.tau_start == cfg.tau_end
+        if self.graphed:  # optimizer state and learning rate on the GPU, so the graph reads them each replay
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(cfg.lr, device=device),
+                                         weight_decay=cfg.weight_decay, capturable=True)
+            self.graphed_step = GraphedTrainStep(self.model, self.opt, cfg.grad_clip)
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
         self.adaptive = cfg.curriculum_mode == "adaptive"
         self.cur_len = min(cfg.max_len, cfg.min_len + 1)  # adaptive curriculum: the longest training length now
@@ -202,6 +216,26 @@ class _Run:
         loss = F.cross_entropy(self.model(tokens.to(self.device)), labels.to(self.device)).item()
         self.cur_len = adapt_len(self.cur_len, loss, self.cfg)
 
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on a batch at the current learning rate; the loss as a device tensor."""
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        if self.graphed:
+            return self.graphed_step(tokens, labels).clone()
+        loss = F.cross_entropy(self.model(tokens), labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        return loss.detach()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)  # in place: captured graphs read this tensor
+            else:
+                group["lr"] = lr
+
     def advance(self, until: float, log=None) -> None:
         """Train until progress >= `until` (or early stop). Losses are read back every 25 steps only: one
         device sync per step would serialise the many small runs that share a GPU."""
@@ -209,18 +243,11 @@ class _Run:
         t0 = time.time() - self.seconds
         while not self.done and self.frac() < until:
             frac = self.frac()
-            for group in self.opt.param_groups:
-                group["lr"] = lr_at(frac, cfg)
+            self.set_lr(lr_at(frac, cfg))
             if cfg.tau_start != cfg.tau_end:
                 model.set_tau(tau_schedule(frac, 1.0, cfg.tau_start, cfg.tau_end))
             tokens, labels = self.task.batch(cfg.batch_size, cfg.min_len, self.max_len(), self.gen)
-            loss = F.cross_entropy(model(tokens.to(self.device)), labels.to(self.device))
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            self.opt.step()
-            pending.append(loss.detach())
+            pending.append(self.train_step(tokens, labels))
             self.step += 1
             self.seconds = time.time() - t0
             if len(pending) == 25:
@@ -274,7 +301,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
     t_start = time.time()
     best, sel_losses = None, []
     for r in range(cfg.restarts):
-        run = _Run(cfg, candidate_seed(cfg.seed, r), task, device)
+        run = TrainRun(cfg, candidate_seed(cfg.seed, r), task, device)
         if cfg.restarts > 1:
             run.advance(cfg.restart_frac, log)
             sel_losses.append(run.selection_loss())
@@ -293,6 +320,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
         "train_loss": run.train_loss(), "train_max_len": run.max_len(), "acc_mean": sum(acc.values()) / len(acc),
         "acc_max_len": acc[max(acc)], "acc": {str(k): v for k, v in acc.items()},
         "chosen_seed": run.seed, "restart_losses": sel_losses,
+        "graphed": run.graphed and run.graphed_step.failed is None,
         "seconds": round(time.time() - t_start, 1), "params": sum(p.numel() for p in run.model.parameters()),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }

@@ -1,0 +1,61 @@
+"""CUDA graphs in the state-tracking trainer: a graphed run trains exactly like an eager one (same parameters
+after steps at interleaved lengths, through the eager first step, capture and replay of each length's graph)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from llm_surgery.bench.state_tracking.graphed_step import GraphedTrainStep
+from llm_surgery.bench.state_tracking.tasks import get_task
+from llm_surgery.bench.state_tracking.train import TrainRun, cli_defaults
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+KINDS = [pytest.param("pdssm"),
+         pytest.param("mamba2", marks=pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
+                                                         reason="mamba-ssm not installed")),
+         pytest.param("deltanet", marks=pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+                                                           reason="fla not installed"))]
+
+
+def test_graphed_step_needs_a_capturable_optimizer():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="capturable"):
+        GraphedTrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 1.0)
+
+
+def test_runs_on_cpu_are_never_graphed():
+    task = get_task("parity")
+    cfg = cli_defaults("pdssm", task="parity", d_model=16, mixer={"num_heads": 2, "state_size": 4})
+    run = TrainRun(cfg, 0, task, torch.device("cpu"))
+    assert not run.graphed
+    loss = run.train_step(*task.batch(4, 3, 3, torch.Generator().manual_seed(0)))
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+@cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_training_matches_eager(kind):
+    task = get_task("cycle_navigation")
+    runs = []
+    for graphs in (False, True):
+        cfg = cli_defaults(kind, task="cycle_navigation", d_model=64, batch_size=32, device="cuda",
+                           cuda_graphs=graphs, grad_clip=1.0)
+        runs.append(TrainRun(cfg, 0, task, torch.device("cuda")))
+    eager, graphed = runs
+    assert graphed.graphed and not eager.graphed
+    graphed.model.load_state_dict(eager.model.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 5, 9, 5, 9, 9, 12, 5, 12, 12, 9]  # eager first step, capture, replays, interleaved
+    losses = {False: [], True: []}
+    for i, L in enumerate(lengths):
+        batch = task.batch(32, L, L, gen)
+        for run in runs:
+            run.set_lr(1e-3 * (1 + i % 3))  # the graph must read the learning rate set before each replay
+            losses[run.graphed].append(run.train_step(*batch).item())
+    assert len(graphed.graphed_step.graphs) == 3
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=2e-4)
+    for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-4, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(eager.model.parameters(),
+                                                      TrainRun(eager.cfg, 0, task, torch.device("cuda")).model.parameters()))
