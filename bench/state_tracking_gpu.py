@@ -50,7 +50,6 @@ VARIANTS = {
     "snap+q10+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=10, conv_kernel=1)),
     "snap+q60+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=60, conv_kernel=1)),
     "robust+snap+q10": dict(mixer=dict(PDSSM_PRESETS["robust"], unit_snap=0.01, phase_levels=10)),
-    "no-curriculum": dict(curriculum_frac=0.0),
 }
 
 
@@ -106,9 +105,10 @@ def with_time_limits(cfgs: list[TrainConfig], budget: float, jobs: int, reserve:
 
 def start_mps() -> bool:
     """Start NVIDIA's MPS daemon (if this machine has it) before any CUDA work: without it the GPU time-slices
-    between the runs' processes, one at a time; with it their small kernels run side by side (session 5, H200: 16
-    graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned workers inherit the pipe directory.
-    False (and the environment left as it was) where MPS is missing or a CUDA client cannot start under it."""
+    between the runs' processes, one at a time; with it their small kernels run side by side (session 5, H200:
+    16 graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned
+    workers inherit the pipe directory. False (and the environment left as it was) where MPS is missing or a
+    CUDA client cannot start under it."""
     control = shutil.which("nvidia-cuda-mps-control")
     if not control:
         return False

@@ -16,13 +16,13 @@ import time
 import torch
 
 
-def worker(kind: str, graphs: bool, seconds: float, barrier, results, rank: int) -> None:
+def worker(kind: str, graphs: bool, seconds: float, preset: str, barrier, results, rank: int) -> None:
     torch.set_num_threads(1)
     from llm_surgery.bench.state_tracking.tasks import get_task
     from llm_surgery.bench.state_tracking.train import TrainRun, cli_defaults, quick_triton_autotune
     quick_triton_autotune()
     task = get_task("cycle_navigation")
-    cfg = cli_defaults(kind, task="cycle_navigation", device="cuda", cuda_graphs=graphs)
+    cfg = cli_defaults(kind, preset=preset, task="cycle_navigation", device="cuda", cuda_graphs=graphs)
     run = TrainRun(cfg, rank, task, torch.device("cuda"))
     gen = torch.Generator().manual_seed(rank)
     batches = [task.batch(cfg.batch_size, L, L, gen) for L in range(1, cfg.max_len + 1)]
@@ -40,10 +40,10 @@ def worker(kind: str, graphs: bool, seconds: float, barrier, results, rank: int)
     results.put((rank, steps, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30))
 
 
-def measure(kind: str, graphs: bool, procs: int, seconds: float) -> tuple[float, float]:
+def measure(kind: str, graphs: bool, procs: int, seconds: float, preset: str) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=worker, args=(kind, graphs, seconds, barrier, results, r)) for r in range(procs)]
+    ps = [ctx.Process(target=worker, args=(kind, graphs, seconds, preset, barrier, results, r)) for r in range(procs)]
     for p in ps:
         p.start()
     got = [results.get(timeout=900) for _ in ps]
@@ -59,14 +59,16 @@ def main() -> None:
     ap.add_argument("--procs", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--modes", default="eager,graphed")
+    ap.add_argument("--preset", default="layer", help="pdssm options (session 5's table: layer, the fused path)")
     args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {when}")
     print("| kind | steps | processes | steps/s per run | steps/s total | peak GiB per run |")
     print("|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
             for graphs in (m == "graphed" for m in args.modes.split(",")):
-                total, mem = measure(kind, graphs, procs, args.seconds)
+                total, mem = measure(kind, graphs, procs, args.seconds, args.preset)
                 print(f"| {kind} | {'graphed' if graphs else 'eager'} | {procs} | {total / procs:.1f} | "
                       f"{total:.1f} | {mem:.2f} |", flush=True)
 

@@ -55,7 +55,7 @@ def test_summary_tables(tmp_path):
         for task in gpu.TABLE1_TASKS:
             rows.append({"kind": kind, "task": task, "seed": 0, "acc_mean": 0.5, "acc_max_len": 0.5,
                          "train_loss": 0.1, "steps_run": 10,
-                         "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["tracking"]) if kind == "pdssm" else {}}})
+                         "config": {"n_layers": 2, "mixer": gpu.cli_defaults(kind, n_layers=2).mixer}})
     rows.append({"kind": "pdssm", "task": "s3", "seed": 0, "acc_mean": 1.0, "acc_max_len": 1.0, "train_loss": 0.0,
                  "steps_run": 10, "config": {"n_layers": 1, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
     rows.append({**rows[0], "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})

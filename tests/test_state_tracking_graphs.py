@@ -11,10 +11,11 @@ from llm_surgery.bench.state_tracking.tasks import get_task
 from llm_surgery.bench.state_tracking.train import TrainRun, cli_defaults
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-KINDS = [pytest.param("pdssm"),
-         pytest.param("mamba2", marks=pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
+KINDS = [pytest.param("pdssm", "layer"),  # the fused CUDA op
+         pytest.param("pdssm", "tracking"),  # unit_snap / phase_levels: the torch path around the kernels
+         pytest.param("mamba2", None, marks=pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
                                                          reason="mamba-ssm not installed")),
-         pytest.param("deltanet", marks=pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+         pytest.param("deltanet", None, marks=pytest.mark.skipif(importlib.util.find_spec("fla") is None,
                                                            reason="fla not installed"))]
 
 
@@ -34,12 +35,12 @@ def test_runs_on_cpu_are_never_graphed():
 
 
 @cuda
-@pytest.mark.parametrize("kind", KINDS)
-def test_graphed_training_matches_eager(kind):
+@pytest.mark.parametrize("kind,preset", KINDS)
+def test_graphed_training_matches_eager(kind, preset):
     task = get_task("cycle_navigation")
     runs = []
     for graphs in (False, True):
-        cfg = cli_defaults(kind, task="cycle_navigation", d_model=64, batch_size=32, device="cuda",
+        cfg = cli_defaults(kind, preset=preset, task="cycle_navigation", d_model=64, batch_size=32, device="cuda",
                            cuda_graphs=graphs, grad_clip=1.0)
         runs.append(TrainRun(cfg, 0, task, torch.device("cuda")))
     eager, graphed = runs
@@ -57,5 +58,5 @@ def test_graphed_training_matches_eager(kind):
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=2e-4)
     for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-4, msg=name)
-    assert any(not torch.equal(a, b) for a, b in zip(eager.model.parameters(),
-                                                      TrainRun(eager.cfg, 0, task, torch.device("cuda")).model.parameters()))
+    fresh = TrainRun(eager.cfg, 0, task, torch.device("cuda")).model  # same seed: the initial parameters
+    assert any(not torch.equal(a, b) for a, b in zip(eager.model.parameters(), fresh.parameters()))

@@ -32,7 +32,7 @@ class GraphedTrainStep:
         self.seen: set[tuple] = set()
         self.graphs: dict[tuple, tuple] = {}  # shape -> (graph, static tokens, static labels, loss)
         self.pool = None
-        self.failed: str | None = None  # why capture failed (then every step runs eagerly)
+        self.failed: str | None = None  # why a capture failed (then shapes without a graph run eagerly)
         self.stream = torch.cuda.Stream()
 
     def _body(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class GraphedTrainStep:
         return loss.detach()
 
     def _on_side_stream(self, fn):
-        """Capture (and the eager warm step, like the CUDA-graph docs) runs on a side stream."""
+        """The eager warm step runs on the stream captures use (as the CUDA-graph docs advise)."""
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
@@ -64,7 +64,8 @@ class GraphedTrainStep:
                 entry = self.graphs[key] = self._capture(tokens, labels)
             except RuntimeError as exc:  # e.g. a kernel that syncs with the host: keep training, eagerly
                 self.failed = f"{type(exc).__name__}: {exc}"[:300]
-                warnings.warn(f"GraphedTrainStep: capture failed, shapes without a graph now train eagerly: {self.failed}")
+                warnings.warn(f"GraphedTrainStep: capture failed, shapes without a graph now train eagerly: "
+                              f"{self.failed}")
                 torch.cuda.synchronize()
         if entry is None:
             self.opt.zero_grad(set_to_none=True)
