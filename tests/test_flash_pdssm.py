@@ -218,3 +218,33 @@ def test_phase_levels_round_forward_and_pass_gradients_straight_through():
         FlashPDSSM(48, num_heads=4, complex=False, phase_levels=4)
     with pytest.raises(ValueError, match="unit_snap"):
         FlashPDSSM(48, num_heads=4, unit_snap=-0.1)
+
+
+def test_snapped_magnitudes_and_rounded_phases_track_parity_exactly_at_any_length():
+    """The mechanism behind the 'tracking' preset: a head whose phase is pi (plus a small error, as learned
+    phases have) per 1-bit and whose decay is 1e-3 drifts away from the parity over 3,001 steps; with unit_snap
+    and phase_levels the same head holds x_init * (-1)^(number of ones) to rounding error."""
+    import math
+    torch.manual_seed(0)
+    bits = torch.randint(0, 2, (2, 3001))
+    u = torch.zeros(2, 3001, 8, dtype=torch.float64)
+    u[..., 0] = bits.double()
+    sign = (1.0 - 2.0 * (bits.sum(1) % 2)).double()[:, None, None]
+
+    def last_state(**opts):
+        layer = FlashPDSSM(8, num_heads=1, state_size=4, dict_size=2, conv_kernel=1, dict_init="identity",
+                           b_gate="off", x_init_std=1.0, **opts).double()
+        K, N = 2, 4
+        assert torch.equal(layer.transitions().long(), torch.arange(N).expand(1, K, N))  # P_t = identity
+        with torch.no_grad():
+            w = layer.x_proj.weight  # rows: K selector logits | N decay logits | N phases
+            w.zero_()
+            w[K + N:, 0] = math.pi + 0.02
+            layer.decay_bias.fill_(math.log(math.expm1(1e-3)))  # |D| = exp(-1e-3) before any snap
+            _, last = layer._scan_and_read(u, None, None)
+        return last, layer.initial_state(2)
+
+    exact, x0 = last_state(unit_snap=0.01, phase_levels=10)
+    torch.testing.assert_close(exact, x0 * sign, atol=1e-9, rtol=0)
+    drift, x0 = last_state()
+    assert (drift - x0 * sign).abs().max() > 0.5 * x0.abs().max()
