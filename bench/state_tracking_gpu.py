@@ -217,7 +217,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=100_000, help="step cap (the time limit normally stops first)")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--eval-batch", type=int, default=512)
+    ap.add_argument("--eval-batch", type=int, default=256,
+                    help="sequences per eval length (session 5: 40 processes with 512 ran an H200 out of "
+                         "memory, 24 with 256 did not)")
     ap.add_argument("--t1-pdssm-seeds", type=int, default=2)
     ap.add_argument("--t1-other-seeds", type=int, default=1)
     ap.add_argument("--t1-presets", default=",".join(p for p in sorted(PDSSM_PRESETS) if p != preset_for(2)),
