@@ -4,7 +4,7 @@ per-run time limit computed from one wall-clock budget, so the call cannot overr
 
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --budget 540                    # one H200, ~9 minutes
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --quick --device cpu --jobs 4   # CPU smoke test, ~70 s
-    python bench/state_tracking_gpu.py --summarize results.jsonl                       # tables from a JSONL
+    python bench/state_tracking_gpu.py --summarize a.jsonl,b.jsonl --plot len.png       # tables (+ plot) from JSONL
 
 Every run is time-limited (the schedules run on time: warm-up, cosine decay, curriculum and tau all finish);
 by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at a time); results go to --out
@@ -200,6 +200,33 @@ def table9(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_lengths(rows: list[dict], path: str) -> None:
+    """Accuracy against evaluation length per Table 1 task, one line per model (mean over seeds): drift shows
+    as a slope, a learned automaton as a flat line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2]
+    fig, axes = plt.subplots(1, len(TABLE1_TASKS), figsize=(4 * len(TABLE1_TASKS), 3.4), sharey=True)
+    for ax, task in zip(axes, TABLE1_TASKS):
+        by_model: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["task"] == task:
+                by_model.setdefault(model_name(r), []).append(r["acc"])
+        for name, accs in sorted(by_model.items()):
+            lengths = sorted(int(k) for k in accs[0])
+            mean = [100 * sum(a[str(L)] for a in accs) / len(accs) for L in lengths]
+            ax.plot(lengths, mean, marker=".", label=f"{name} ({len(accs)})")
+        ax.set_title(task)
+        ax.set_xlabel("evaluation length (trained on <= 40)")
+    axes[0].set_ylabel("accuracy (%)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 5), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def summarize(rows: list[dict]) -> str:
     return ("Issue 7 (Table 1; 2 layers, width 128):\n" + table1(rows) +
             "\n\nIssue 9 (one layer; pdssm with the CLI defaults):\n" + table9(rows))
@@ -233,15 +260,21 @@ def parse_args(argv=None):
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
-    ap.add_argument("--summarize", default=None, help="print the tables of this JSONL file and exit")
+    ap.add_argument("--summarize", default=None, help="print the tables of these JSONL files (comma list) and exit")
+    ap.add_argument("--plot", default=None, help="with --summarize: accuracy against length per task, to this PNG")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            print(summarize([json.loads(line) for line in f if line.strip()]))
+        rows = []
+        for path in args.summarize.split(","):
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        print(summarize(rows))
+        if args.plot:
+            plot_lengths(rows, args.plot)
         return 0
     start = time.time()
     args.budget = args.budget or (60.0 if args.quick else 540.0)

@@ -85,3 +85,12 @@ def test_start_mps_falls_back_and_restores_the_environment(tmp_path, monkeypatch
     assert gpu.start_mps() is False
     assert log.read_text().split("\n")[:2] == ["-d", "quit"]
     assert "CUDA_MPS_PIPE_DIRECTORY" not in gpu.os.environ and "CUDA_MPS_LOG_DIRECTORY" not in gpu.os.environ
+
+
+def test_plot_of_accuracy_against_length(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"kind": "pdssm", "task": t, "seed": 0, "acc": {"40": 1.0, "256": 0.5},
+             "config": {"n_layers": 2, "mixer": {}, "name": "snap"}} for t in gpu.TABLE1_TASKS]
+    out = tmp_path / "len.png"
+    gpu.plot_lengths(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
