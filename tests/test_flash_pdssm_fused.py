@@ -16,17 +16,20 @@ import pytest
 import torch
 
 GATES = (None, "sigmoid", "hard", "decay", "off")
+# the layer's options against length drift, with the gates they interact with (decay: 1 - |D| under the snap)
+DRIFT = [(gate, {"unit_snap": 3e-3, "phase_levels": 12}) for gate in (None, "decay")]  # ~1/4 of |D| clamp
 
 
 def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
-    """Relative deviations (fused vs torch path) per b-gate and padding case, of the outputs, the last state, the
-    input and parameter gradients, and of the output computed in two calls that carry the state."""
+    """Relative deviations (fused vs torch path) per b-gate (and drift options) and padding case, of the outputs,
+    the last state, the input and parameter gradients, and of the output computed in two calls that carry the
+    state."""
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
     torch.manual_seed(0)
     worst = {}
-    for gate in GATES:
+    for gate, opts in [(g, {}) for g in GATES] + DRIFT:
         for masked in (False, True):
-            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8).to(device=device, dtype=dtype)
+            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, **opts).to(device=device, dtype=dtype)
             ref.fused = False
             fused = copy.deepcopy(ref)
             fused.fused = True
@@ -49,7 +52,7 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
                                 **{n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}})
             assert results[-1].keys() == results[0].keys(), "the paths give gradients to different parameters"
             rel = {k: ((results[1][k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in results[0].items()}
-            worst[f"{gate}/{'mask' if masked else 'full'}"] = rel
+            worst[f"{gate}{'+drift' if opts else ''}/{'mask' if masked else 'full'}"] = rel
     return worst
 
 

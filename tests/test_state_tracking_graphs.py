@@ -12,7 +12,7 @@ from llm_surgery.bench.state_tracking.train import TrainRun, cli_defaults
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 KINDS = [pytest.param("pdssm", "layer"),  # the fused CUDA op
-         pytest.param("pdssm", "tracking"),  # unit_snap / phase_levels: the torch path around the kernels
+         pytest.param("pdssm", "tracking"),  # unit_snap, phase_levels, no convolution
          pytest.param("mamba2", None, marks=pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
                                                          reason="mamba-ssm not installed")),
          pytest.param("deltanet", None, marks=pytest.mark.skipif(importlib.util.find_spec("fla") is None,

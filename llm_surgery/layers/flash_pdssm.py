@@ -227,7 +227,7 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        if self.fused and self.complex and not (self.unit_snap or self.phase_levels) and projected.usable(u):
+        if self.fused and self.complex and projected.usable(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
@@ -247,7 +247,7 @@ class FlashPDSSM(nn.Module):
         exists for the whole batch, and x needs no re/im concatenation or bf16 copy."""
         y, last_re, last_im = projected.pd_select_scan_projected(
             u, self.x_proj.weight, self.decay_bias, self.dictionary, self.B, x0.to(torch.complex64), self.C,
-            self.D_skip, self.tau, attention_mask, self.b_gate)
+            self.D_skip, self.tau, attention_mask, self.b_gate, self.unit_snap, self.phase_levels)
         return y, torch.complex(last_re, last_im)
 
     def step(self, hidden_state: torch.Tensor, state=None):

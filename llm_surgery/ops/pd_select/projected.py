@@ -54,23 +54,31 @@ def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
 GATES = (None, "sigmoid", "hard", "decay", "off")
 
 
-def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, kind: str | None, K: int, N: int):
+def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, kind: str | None, K: int, N: int, unit_snap: float = 0.0):
     """The b-gate of FlashPDSSM from one slice of the projection [b, L, H, W]: float32 [b, H, L, 1 or N]
-    (None for no gate): sigmoid / hard of the last column, or 1 - |D_t| = sigmoid(a_t) for "decay"."""
+    (None for no gate): sigmoid / hard of the last column, or 1 - |D_t| for "decay" (= sigmoid(a_t), or
+    max(0, 1 - (1 + unit_snap) sigmoid(-a_t)) with the snapped magnitude)."""
     if kind == "sigmoid":
         return torch.sigmoid(proj[..., -1].float()).transpose(1, 2).unsqueeze(-1)
     if kind == "hard":
         return (0.5 + proj[..., -1].float()).clamp(0, 1).transpose(1, 2).unsqueeze(-1)
     if kind == "decay":
         H = proj.shape[2]
-        return torch.sigmoid(proj[..., K:K + N].float() + decay_bias.float().view(H, N)).transpose(1, 2)
+        a = proj[..., K:K + N].float() + decay_bias.float().view(H, N)
+        if unit_snap:
+            return (1 - (1 + unit_snap) * torch.sigmoid(-a)).clamp_min(0).transpose(1, 2)
+        return torch.sigmoid(a).transpose(1, 2)
     return None
 
 
-def _gate_backward(proj, gate, g_gate, gproj, kind, K, N):
+def _gate_backward(proj, gate, g_gate, gproj, kind, K, N, unit_snap: float = 0.0):
     """Adds the gate's gradient (g_gate, shaped like gate) into gproj; returns its part of dL/d decay_bias."""
     if kind == "decay":
-        g_a = (g_gate * gate * (1 - gate)).transpose(1, 2)                        # [b, L, H, N]
+        if unit_snap:  # gate = 1 - c s with s = sigmoid(-a), c = 1 + unit_snap: d gate / da = c s (1 - s), 0 if clamped
+            s = (1 - gate) / (1 + unit_snap)
+            g_a = torch.where(gate > 0, g_gate * (1 - gate) * (1 - s), torch.zeros_like(gate)).transpose(1, 2)
+        else:
+            g_a = (g_gate * gate * (1 - gate)).transpose(1, 2)                    # [b, L, H, N]
         gproj[..., K:K + N] += g_a.to(gproj.dtype)
         return g_a.sum((0, 1)).reshape(-1)
     if kind == "sigmoid":
@@ -110,7 +118,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
         return b_re, b_im
 
     @staticmethod
-    def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate):
+    def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
         from ..pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..pd_transition.triton_fused import transition_fwd_triton
 
@@ -131,11 +139,12 @@ class _ProjectedSelectScan(torch.autograd.Function):
             b = u[sl].shape[0]
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
             D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
-                                                       None if mask is None else mask[sl])
+                                                       None if mask is None else mask[sl], unit_snap, phase_levels)
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
-                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bt, _gate(proj, decay_bias, b_gate, K, N), N)
+                gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
+                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bt, gate, N)
             del proj
             xr, xi = x_re[sl], x_im[sl]
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
@@ -146,7 +155,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             ys += skip * u_h[sl]
             y[sl].view(b, L, H, P).copy_(ys.transpose(1, 2))
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
-        ctx.tau, ctx.b_gate = tau, b_gate
+        ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
 
     @staticmethod
@@ -156,7 +165,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
         from .triton_ste import float_planes, ste_grads_triton
 
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
-        b_gate = ctx.b_gate
+        b_gate, unit_snap, phase_levels = ctx.b_gate, ctx.unit_snap, ctx.phase_levels
         B, L, d = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
@@ -199,7 +208,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
                 g_im[:, :, -1] += g_last_im[sl]
             # scan backward; dL/db overwrites dL/dx (the kernel stages each chunk of dL/dx before writing it)
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
-            D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m)
+            D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             gD_re, gD_im = torch.empty_like(D_re), torch.empty_like(D_im)
             *_, gx0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
                                                  out=(gD_re, gD_im, g_re, g_im))
@@ -210,18 +219,19 @@ class _ProjectedSelectScan(torch.autograd.Function):
                                       m, K)
             G += G_s
             del D_re, D_im, kstar
-            gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m)
+            gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
+                                                   unit_snap, phase_levels)
             gbias += gbias_s.view(-1)
             del gD_re, gD_im, r
             # injection b = (B_h u_t) * gate
             if b_gate != "off":
-                gate = _gate(proj, decay_bias, b_gate, K, N)
+                gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
                     b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bt, None, N)
                     gg = gb_re * b0_re + gb_im * b0_im
                     del b0_re, b0_im
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
-                    g_bias_gate = _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N)
+                    g_bias_gate = _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N, unit_snap)
                     if g_bias_gate is not None:
                         gbias += g_bias_gate
                     gb_re, gb_im = gb_re * gate, gb_im * gate
@@ -240,12 +250,13 @@ class _ProjectedSelectScan(torch.autograd.Function):
         gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
         gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
         return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
-                gskip.to(D_skip.dtype), None, None, None)
+                gskip.to(D_skip.dtype), None, None, None, None, None)
 
 
 def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
                              Bw: torch.Tensor, x0: torch.Tensor, C: torch.Tensor, D_skip: torch.Tensor,
-                             tau: float = 1.0, mask: torch.Tensor | None = None, b_gate: str | None = None):
+                             tau: float = 1.0, mask: torch.Tensor | None = None, b_gate: str | None = None,
+                             unit_snap: float = 0.0, phase_levels: int = 0):
     """(y [B,L,H*P] in u's dtype, x_last_re [B,H,N], x_last_im [B,H,N] float32): the middle of a complex
     FlashPDSSM layer, from its input u to its readout y = Re(C_h x_t) + D_skip * u_t, with the hard-selected
     scan x_t = P_t D_t x_{t-1} + b_t, its last state, and straight-through gradients.
@@ -254,7 +265,8 @@ def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torc
     output per head and token is pd_transition's layout (K selector logits | N decay logits | N phases | the
     b-gate's column when it has one); decay_bias [H*N]; M [H,K,N,N] dictionary logits; Bw [H,N,P,2] (re, im)
     injection b_t = (B_h u_t) * gate; x0 [B,H,N] complex64 (the state before the first token); C [H,P,N,2]
-    (re, im) readout; D_skip [H,P]; mask [B,L] (0 = padding); b_gate one of GATES (FlashPDSSM's option).
+    (re, im) readout; D_skip [H,P]; mask [B,L] (0 = padding); b_gate one of GATES, unit_snap and phase_levels
+    (FlashPDSSM's options; pd_transition/naive.py gives their maths).
     CUDA only (`usable`). Everything state-sized (the projection, b, D, dL/dx, ...) exists one batch slice at a
     time, in both passes.
     """
@@ -286,4 +298,8 @@ def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torc
         raise ValueError(f"pd_select_scan_projected: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
     if tau <= 0:
         raise ValueError(f"pd_select_scan_projected: tau must be > 0, got {tau}")
-    return _ProjectedSelectScan.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate)
+    if unit_snap < 0 or phase_levels < 0:
+        raise ValueError(f"pd_select_scan_projected: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
+                         f"{phase_levels}")
+    return _ProjectedSelectScan.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate,
+                                      float(unit_snap), int(phase_levels))

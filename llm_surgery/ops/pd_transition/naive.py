@@ -4,22 +4,31 @@ proj [B, L, H, W] holds per head and token: K selector logits | N pre-decay logi
 extra columns, e.g. a b-gate, ignored here). With decay_bias [H, N]:
   sel = proj[..., :K],   |D| = exp(-softplus(a + bias)) = sigmoid(-(a + bias)),   D = |D| e^{i phi}
 returned in the scan's layout [B, H, L, *] as float32 (float64 for float64 input); D as (re, im) planes.
-At padding steps (mask 0) D is the identity 1 + 0i.
+At padding steps (mask 0) D is the identity 1 + 0i. FlashPDSSM's two options against length drift:
+unit_snap s > 0: |D| = min(1, (1 + s) sigmoid(-(a + bias))); phase_levels Q > 0: phi rounded to a multiple of
+2 pi / Q in value, its gradient passed straight through.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
 def transition_naive(proj: torch.Tensor, decay_bias: torch.Tensor, K: int, N: int,
-                     mask: torch.Tensor | None = None):
+                     mask: torch.Tensor | None = None, unit_snap: float = 0.0, phase_levels: int = 0):
     """-> (sel [B,H,L,K], D_re [B,H,L,N], D_im [B,H,L,N]); differentiable in proj and decay_bias."""
     cd = torch.promote_types(proj.dtype, torch.float32)
     p = proj.to(cd).transpose(1, 2)  # [B, H, L, W]
     sel = p[..., :K]
     mag = torch.sigmoid(-(p[..., K:K + N] + decay_bias.to(cd)[None, :, None, :]))
+    if unit_snap:
+        mag = (mag * (1 + unit_snap)).clamp(max=1)
     phase = p[..., K + N:K + 2 * N]
+    if phase_levels:
+        step = 2 * math.pi / phase_levels
+        phase = phase + (torch.round(phase / step) * step - phase).detach()
     D_re, D_im = mag * torch.cos(phase), mag * torch.sin(phase)
     if mask is not None:
         keep = mask.to(torch.bool)[:, None, :, None]

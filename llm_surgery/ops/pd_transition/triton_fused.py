@@ -12,6 +12,8 @@ backward: (dL/dD planes, r = the selector's straight-through sums [B,H,L,K]) -> 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -30,28 +32,38 @@ def _tokens(L, H, W, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, K: tl.constexpr, N: tl.constexpr):
-    """(|D|, cos phi, sin phi) tiles [T, BLOCK_N] of the rows `row` (offsets of each token's head block)."""
+def _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr,
+                 SNAP: tl.constexpr, LEVELS: tl.constexpr):
+    """(|D|, d|D|/da, cos phi, sin phi) tiles [T, BLOCK_N] of the rows `row` (offsets of each token's head block).
+    SNAP: |D| = min(1, snap_scale * sigmoid(-a)); LEVELS: phi rounded to a multiple of phase_step."""
     nm = n < N
     valid = tmask[:, None] & nm[None, :]
     a = tl.load(proj_ptr + row[:, None] + K + n[None, :], mask=valid, other=0.0).to(tl.float32)
     a += tl.load(bias_ptr + h * N + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     phase = tl.load(proj_ptr + row[:, None] + K + N + n[None, :], mask=valid, other=0.0).to(tl.float32)
     mag = 1.0 / (1.0 + tl.exp(a))  # sigmoid(-a) = exp(-softplus(a))
-    return mag, tl.cos(phase), tl.sin(phase)
+    dmag = -mag * (1.0 - mag)
+    if SNAP:
+        dmag = tl.where(mag * snap_scale <= 1.0, dmag * snap_scale, 0.0)
+        mag = tl.minimum(mag * snap_scale, 1.0)
+    if LEVELS:
+        phase = tl.floor(phase / phase_step + 0.5) * phase_step
+    return mag, dmag, tl.cos(phase), tl.sin(phase)
 
 
 @triton.jit
 def _transition_fwd_kernel(proj_ptr, bias_ptr, mask_ptr, pdict_ptr, dre_ptr, dim_ptr, kstar_ptr, p_ptr, L, H, W,
-                           K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr):
+                           snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HAS_MASK: tl.constexpr,
+                           SNAP: tl.constexpr, LEVELS: tl.constexpr):
     b, h, t, tmask, row, seq = _tokens(L, H, W, BLOCK_T)
     k = tl.arange(0, BLOCK_K)
     n = tl.arange(0, BLOCK_N)
     sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=tmask[:, None] & (k[None, :] < K),
                   other=float("-inf")).to(tl.float32)
     kstar = tl.argmax(sel, axis=1, tie_break_left=True)
-    mag, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, K, N)
+    mag, _, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K, N, SNAP,
+                                    LEVELS)
     d_re = mag * cos
     d_im = mag * sin
     valid = tmask[:, None] & (n[None, :] < N)
@@ -70,9 +82,9 @@ def _transition_fwd_kernel(proj_ptr, bias_ptr, mask_ptr, pdict_ptr, dre_ptr, dim
 
 @triton.jit
 def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr, gproj_ptr, gbias_ptr, L, H, W,
-                           inv_tau, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           inv_tau, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                           HAS_MASK: tl.constexpr):
+                           HAS_MASK: tl.constexpr, SNAP: tl.constexpr, LEVELS: tl.constexpr):
     b, h, t, tmask, row, seq = _tokens(L, H, W, BLOCK_T)
     k = tl.arange(0, BLOCK_K)
     n = tl.arange(0, BLOCK_N)
@@ -83,15 +95,17 @@ def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr
     s = tl.where(kvalid, s / tl.sum(s, axis=1)[:, None], 0.0)
     r = tl.load(r_ptr + seq[:, None] * K + k[None, :], mask=kvalid, other=0.0)
     g_sel = s * (r - tl.sum(s * r, axis=1)[:, None]) * inv_tau
-    # D = |D| (cos phi + i sin phi), |D| = sigmoid(-a): chain rule from the planes' gradients
-    mag, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, K, N)
+    # D = |D| (cos phi + i sin phi), |D| = sigmoid(-a) (or its snapped form): chain rule from the planes'
+    # gradients; a rounded phase passes its gradient straight through
+    mag, dmag, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K, N, SNAP,
+                                       LEVELS)
     valid = tmask[:, None] & (n[None, :] < N)
     out = seq[:, None] * N + n[None, :]
     g_re = tl.load(gre_ptr + out, mask=valid, other=0.0)
     g_im = tl.load(gim_ptr + out, mask=valid, other=0.0)
     g_mag = g_re * cos + g_im * sin
     g_phase = mag * (g_im * cos - g_re * sin)
-    g_a = -g_mag * mag * (1.0 - mag)
+    g_a = g_mag * dmag
     if HAS_MASK:  # padding steps used the identity: nothing flows back from them
         keep = (tl.load(mask_ptr + b * L + t, mask=tmask, other=1) != 0)[:, None]
         g_sel = tl.where(keep, g_sel, 0.0)
@@ -125,7 +139,16 @@ def _check(proj, decay_bias, K, N):
     return proj.contiguous(), decay_bias.contiguous()
 
 
-def transition_fwd_triton(proj, decay_bias, P_dict, K: int, N: int, mask=None):
+def _drift_options(unit_snap: float, phase_levels: int):
+    """Kernel arguments of FlashPDSSM's unit_snap and phase_levels (naive.py): (scale, step, SNAP, LEVELS)."""
+    if unit_snap < 0 or phase_levels < 0:
+        raise ValueError(f"pd_transition: unit_snap and phase_levels must be >= 0, got {unit_snap}, {phase_levels}")
+    step = 2 * math.pi / phase_levels if phase_levels else 1.0
+    return 1.0 + float(unit_snap), step, bool(unit_snap), bool(phase_levels)
+
+
+def transition_fwd_triton(proj, decay_bias, P_dict, K: int, N: int, mask=None, unit_snap: float = 0.0,
+                          phase_levels: int = 0):
     """proj [B,L,H,W], decay_bias [H*N], P_dict [H,K,N] -> (D_re, D_im, k* int64 [B,H,L], P int16 [B,H,L,N])."""
     proj, decay_bias = _check(proj, decay_bias, K, N)
     B, L, H, W = proj.shape
@@ -137,13 +160,15 @@ def transition_fwd_triton(proj, decay_bias, P_dict, K: int, N: int, mask=None):
         return D_re, D_im, kstar, P
     block_k, block_n, block_t, grid = _launch_shape(L, H, B, K, N)
     mask_t = mask.to(torch.int8).contiguous() if mask is not None else kstar
+    scale, step, snap, levels = _drift_options(unit_snap, phase_levels)
     _transition_fwd_kernel[grid](proj, decay_bias, mask_t, P_dict.to(torch.int32).contiguous(), D_re, D_im, kstar, P,
-                                 L, H, W, K=K, N=N, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_T=block_t,
-                                 HAS_MASK=mask is not None, num_warps=4)
+                                 L, H, W, scale, step, K=K, N=N, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_T=block_t,
+                                 HAS_MASK=mask is not None, SNAP=snap, LEVELS=levels, num_warps=4)
     return D_re, D_im, kstar, P
 
 
-def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int, N: int, mask=None):
+def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int, N: int, mask=None,
+                          unit_snap: float = 0.0, phase_levels: int = 0):
     """(dL/dproj [B,L,H,W] in proj's dtype, dL/d decay_bias in its dtype and shape) from dL/dD planes
     [B,H,L,N] and the selector's straight-through sums r [B,H,L,K]."""
     proj, bias_c = _check(proj, decay_bias, K, N)
@@ -154,8 +179,10 @@ def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int,
         block_k, block_n, block_t, grid = _launch_shape(L, H, B, K, N)
         extra = W - K - 2 * N
         mask_t = mask.to(torch.int8).contiguous() if mask is not None else gbias
+        scale, step, snap, levels = _drift_options(unit_snap, phase_levels)
         _transition_bwd_kernel[grid](proj, bias_c, mask_t, gD_re.contiguous(), gD_im.contiguous(), r.contiguous(),
-                                     gproj, gbias, L, H, W, 1.0 / float(tau), K=K, N=N, BLOCK_K=block_k,
-                                     BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(extra) if extra else 0,
-                                     BLOCK_T=block_t, HAS_MASK=mask is not None, num_warps=4)
+                                     gproj, gbias, L, H, W, 1.0 / float(tau), scale, step, K=K, N=N,
+                                     BLOCK_K=block_k, BLOCK_N=block_n,
+                                     BLOCK_E=triton.next_power_of_2(extra) if extra else 0, BLOCK_T=block_t,
+                                     HAS_MASK=mask is not None, SNAP=snap, LEVELS=levels, num_warps=4)
     return gproj, gbias.to(decay_bias.dtype).view(decay_bias.shape)
