@@ -48,7 +48,7 @@ VARIANTS = {
     "decay+snap+q60": dict(mixer=dict(b_gate="decay", x_init_std=1.0, unit_snap=0.01, phase_levels=60)),
     "snap+q10": dict(mixer=dict(unit_snap=0.01, phase_levels=10)),
     "snap+q10+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=10, conv_kernel=1)),
-    "snap+q60+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=60, conv_kernel=1)),
+    "snap+q60+conv1": dict(mixer=dict(PDSSM_PRESETS["tracking"])),  # the tracking preset, by name in the sweep
     "robust+snap+q10": dict(mixer=dict(PDSSM_PRESETS["robust"], unit_snap=0.01, phase_levels=10)),
 }
 

@@ -20,6 +20,7 @@ from torch import nn
 from ..ops.pd_scan import pd_scan
 from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
 from ..ops.pd_select import projected
+from ..ops.pd_transition import round_phase, snap_magnitude
 from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_hidden_states
 
 
@@ -156,16 +157,10 @@ class FlashPDSSM(nn.Module):
         # tensor instead of two.
         sel = proj[..., :K].contiguous()
         a = proj[..., K:K + N] + self.decay_bias.to(cd).view(H, 1, N)
-        mag = torch.sigmoid(-a)
-        if self.unit_snap:
-            mag = (mag * (1 + self.unit_snap)).clamp(max=1)
+        mag = snap_magnitude(torch.sigmoid(-a), self.unit_snap)
         b_parts = torch.einsum("blhp,hnpc->bhlnc", u.view(Bsz, L, H, P), self.B.to(u.dtype)).to(cd)
         if self.complex:
-            phase = proj[..., K + N:K + 2 * N]
-            if self.phase_levels:
-                step = 2 * math.pi / self.phase_levels
-                phase = phase + (torch.round(phase / step) * step - phase).detach()
-            D = torch.polar(mag, phase)
+            D = torch.polar(mag, round_phase(proj[..., K + N:K + 2 * N], self.phase_levels))
             b = torch.view_as_complex(b_parts if b_parts.stride(-1) == 1 else b_parts.contiguous())
         else:
             D, b = mag, b_parts[..., 0]

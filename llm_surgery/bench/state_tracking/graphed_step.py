@@ -21,6 +21,19 @@ import torch
 import torch.nn.functional as F
 
 
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                   tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One step: fresh gradients (set to None: under capture the graph's backward allocates those it reads),
+    cross-entropy, backward, clipping, optimizer step; the loss, detached."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(tokens), labels)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
 class GraphedTrainStep:
     """`step(tokens, labels) -> loss` (a device tensor, valid until the next step: clone it to keep it)."""
 
@@ -36,12 +49,7 @@ class GraphedTrainStep:
         self.stream = torch.cuda.Stream()
 
     def _body(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(self.model(tokens), labels)
-        loss.backward()
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.opt.step()
-        return loss.detach()
+        return optimizer_step(self.model, self.opt, self.grad_clip, tokens, labels)
 
     def _on_side_stream(self, fn):
         """The eager warm step runs on the stream captures use (as the CUDA-graph docs advise)."""
@@ -57,7 +65,6 @@ class GraphedTrainStep:
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:  # first time at this shape: an ordinary step
             self.seen.add(key)
-            self.opt.zero_grad(set_to_none=True)
             return self._on_side_stream(lambda: self._body(tokens, labels))
         if entry is None and self.failed is None:
             try:
@@ -68,7 +75,6 @@ class GraphedTrainStep:
                               f"{self.failed}")
                 torch.cuda.synchronize()
         if entry is None:
-            self.opt.zero_grad(set_to_none=True)
             return self._body(tokens, labels)
         graph, static_tokens, static_labels, loss = entry
         static_tokens.copy_(tokens, non_blocking=True)
@@ -79,7 +85,6 @@ class GraphedTrainStep:
     def _capture(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
         static_tokens, static_labels = tokens.clone(), labels.clone()
         graph = torch.cuda.CUDAGraph()
-        self.opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it then reads
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             loss = self._body(static_tokens, static_labels)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.flash_pdssm import tau_schedule
-from .graphed_step import GraphedTrainStep
+from .graphed_step import GraphedTrainStep, optimizer_step
 from .model import StateTracker
 from .tasks import get_task
 
@@ -221,13 +221,7 @@ class TrainRun:
         tokens, labels = tokens.to(self.device), labels.to(self.device)
         if self.graphed:
             return self.graphed_step(tokens, labels).clone()
-        loss = F.cross_entropy(self.model(tokens), labels)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        return loss.detach()
+        return optimizer_step(self.model, self.opt, self.cfg.grad_clip, tokens, labels)
 
     def set_lr(self, lr: float) -> None:
         for group in self.opt.param_groups:

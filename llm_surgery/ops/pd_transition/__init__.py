@@ -2,6 +2,6 @@
 projection, fused: one kernel reads the projection once and writes D's planes, the selected member and P_t;
 one kernel turns the scan's gradients back into the projection's. `naive.py` is the torch reference."""
 
-from .naive import transition_naive
+from .naive import round_phase, snap_magnitude, transition_naive
 
-__all__ = ["transition_naive"]
+__all__ = ["round_phase", "snap_magnitude", "transition_naive"]

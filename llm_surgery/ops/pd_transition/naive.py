@@ -16,19 +16,27 @@ import math
 import torch
 
 
+def snap_magnitude(mag: torch.Tensor, unit_snap: float) -> torch.Tensor:
+    """unit_snap s > 0: min(1, (1 + s) |D|), so a magnitude reaches exactly 1; s = 0: |D| unchanged."""
+    return (mag * (1 + unit_snap)).clamp(max=1) if unit_snap else mag
+
+
+def round_phase(phase: torch.Tensor, phase_levels: int) -> torch.Tensor:
+    """phase_levels Q > 0: phi rounded to a multiple of 2 pi / Q in value, gradient straight through."""
+    if not phase_levels:
+        return phase
+    step = 2 * math.pi / phase_levels
+    return phase + (torch.round(phase / step) * step - phase).detach()
+
+
 def transition_naive(proj: torch.Tensor, decay_bias: torch.Tensor, K: int, N: int,
                      mask: torch.Tensor | None = None, unit_snap: float = 0.0, phase_levels: int = 0):
     """-> (sel [B,H,L,K], D_re [B,H,L,N], D_im [B,H,L,N]); differentiable in proj and decay_bias."""
     cd = torch.promote_types(proj.dtype, torch.float32)
     p = proj.to(cd).transpose(1, 2)  # [B, H, L, W]
     sel = p[..., :K]
-    mag = torch.sigmoid(-(p[..., K:K + N] + decay_bias.to(cd)[None, :, None, :]))
-    if unit_snap:
-        mag = (mag * (1 + unit_snap)).clamp(max=1)
-    phase = p[..., K + N:K + 2 * N]
-    if phase_levels:
-        step = 2 * math.pi / phase_levels
-        phase = phase + (torch.round(phase / step) * step - phase).detach()
+    mag = snap_magnitude(torch.sigmoid(-(p[..., K:K + N] + decay_bias.to(cd)[None, :, None, :])), unit_snap)
+    phase = round_phase(p[..., K + N:K + 2 * N], phase_levels)
     D_re, D_im = mag * torch.cos(phase), mag * torch.sin(phase)
     if mask is not None:
         keep = mask.to(torch.bool)[:, None, :, None]
