@@ -12,7 +12,9 @@ as one JSON line per run as they finish, and the tables are printed at the end.
 The pdssm options are the CLI's defaults (llm_surgery/bench/state_tracking/train.py: cli_defaults; the
 one-layer sizes in ONE_LAYER_RECIPES); Table 1 also runs the other preset for comparison (--t1-presets).
 --t1-variants names pdssm option sets of VARIANTS to compare on Table 1 (session 5's sweep); --mps runs the
-processes under NVIDIA MPS. See docs/bench/state_tracking.md.
+processes under NVIDIA MPS; --val-every K validates every K steps on lengths 40..256, as the paper's baselines
+do, and the tables then report the validation-selected weights beside the final ones (--plot-val draws the
+validation curves). See docs/bench/state_tracking.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from dataclasses import replace
 
 
-from llm_surgery.bench.state_tracking.__main__ import _run_all
+from llm_surgery.bench.state_tracking.__main__ import _mean_se, _run_all
 from llm_surgery.bench.state_tracking.tasks import TABLE1_TASKS
 from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRESETS, TrainConfig, cli_defaults,
                                                     preset_for, quick_triton_autotune, train)
@@ -50,12 +52,17 @@ VARIANTS = {
     "snap+q10+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=10, conv_kernel=1)),
     "snap+q60+conv1": dict(mixer=dict(PDSSM_PRESETS["tracking"])),  # the tracking preset, by name in the sweep
     "robust+snap+q10": dict(mixer=dict(PDSSM_PRESETS["robust"], unit_snap=0.01, phase_levels=10)),
+    # session 6: weight decay on the linear maps (the baselines' code decays with 1e-2)
+    "tracking+wd1e-2": dict(weight_decay=0.01, mixer=dict(PDSSM_PRESETS["tracking"])),
+    "tracking+wd1e-1": dict(weight_decay=0.1, mixer=dict(PDSSM_PRESETS["tracking"])),
+    "tracking+snap5": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.05)),
+    "tracking+snap10": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.1)),
 }
 
 
 def plan(args) -> list[TrainConfig]:
     """All runs: Table 1 (2 layers, width 128) and issue 9 (one layer); pdssm seeds first within each."""
-    base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch)
+    base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch, eval_every=args.val_every)
     cfgs = []
     t1 = [("pdssm", None, args.t1_pdssm_seeds)]
     t1 += [("pdssm", p, args.t1_preset_seeds) for p in args.t1_presets.split(",") if p]
@@ -155,15 +162,10 @@ def model_name(row: dict) -> str:
     return "pdssm (other)"
 
 
-def _mean_se(values: list[float]) -> str:
-    m = sum(values) / len(values)
-    se = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)) if len(values) > 1 else 0
-    return f"{m:.1f} ± {se:.1f}"
-
-
-def table1(rows: list[dict]) -> str:
-    """Paper Table 1 layout: accuracy (%) averaged over lengths 40..256, mean ± s.e. over seeds."""
-    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2]
+def table1(rows: list[dict], key: str = "acc_mean") -> str:
+    """Paper Table 1 layout: accuracy (%) averaged over lengths 40..256, mean ± s.e. over seeds; `key`
+    "acc_selected_mean" for the validation-selected weights (rows that have them)."""
+    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2 and key in r]
     lines = ["| model | " + " | ".join(TABLE1_TASKS) + " | Avg. | seeds | steps |",
              "| --- " * (len(TABLE1_TASKS) + 4) + "|"]
     names = sorted({model_name(r) for r in rows}, key=lambda n: (n.split()[0] != "pdssm", n))
@@ -171,7 +173,7 @@ def table1(rows: list[dict]) -> str:
         mine = [r for r in rows if model_name(r) == kind]
         cells, means = [], []
         for task in TABLE1_TASKS:
-            accs = [100 * r["acc_mean"] for r in mine if r["task"] == task]
+            accs = [100 * r[key] for r in mine if r["task"] == task]
             cells.append(_mean_se(accs) if accs else "—")
             if accs:
                 means.append(sum(accs) / len(accs))
@@ -227,9 +229,37 @@ def plot_lengths(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_validation(rows: list[dict], path: str) -> None:
+    """Validation accuracy (mean over lengths 40..256) against training step, one thin line per run, per Table 1
+    task and model: length generalisation rises and falls during training while the training loss stays ~0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r.get("val_curve")]
+    names = sorted({model_name(r) for r in rows})
+    fig, axes = plt.subplots(1, len(TABLE1_TASKS), figsize=(4 * len(TABLE1_TASKS), 3.4), sharey=True)
+    colors = {n: f"C{i}" for i, n in enumerate(names)}
+    for ax, task in zip(axes, TABLE1_TASKS):
+        for r in rows:
+            if r["task"] == task:
+                steps, accs = zip(*r["val_curve"])
+                ax.plot(steps, [100 * a for a in accs], color=colors[model_name(r)], lw=0.8, alpha=0.7)
+        ax.set_title(task)
+        ax.set_xlabel("training step")
+    axes[0].set_ylabel("validation accuracy, lengths 40..256 (%)")
+    fig.legend([plt.Line2D([], [], color=colors[n]) for n in names], names, loc="lower center",
+               ncol=min(5, len(names)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 5), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def summarize(rows: list[dict]) -> str:
-    return ("Issue 7 (Table 1; 2 layers, width 128):\n" + table1(rows) +
-            "\n\nIssue 9 (one layer; pdssm with the CLI defaults):\n" + table9(rows))
+    text = "Issue 7 (Table 1; 2 layers, width 128), final weights:\n" + table1(rows)
+    if any("acc_selected_mean" in r for r in rows):
+        text += ("\n\nTable 1, weights selected by validation on lengths 40..256 during training (--val-every; "
+                 "the test sequences are apart from the validation ones):\n" + table1(rows, "acc_selected_mean"))
+    return text + "\n\nIssue 9 (one layer; pdssm with the CLI defaults):\n" + table9(rows)
 
 
 def parse_args(argv=None):
@@ -257,11 +287,16 @@ def parse_args(argv=None):
     ap.add_argument("--t1-variant-seed-start", type=int, default=0, help="first seed of the variants' runs")
     ap.add_argument("--g-pdssm-seeds", type=int, default=5)
     ap.add_argument("--g-other-seeds", type=int, default=1)
+    ap.add_argument("--val-every", type=int, default=500,
+                    help="validate every K steps on lengths 40..256 and keep the best weights (0: off); the "
+                         "tables report them beside the final weights")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
     ap.add_argument("--summarize", default=None, help="print the tables of these JSONL files (comma list) and exit")
     ap.add_argument("--plot", default=None, help="with --summarize: accuracy against length per task, to this PNG")
+    ap.add_argument("--plot-val", default=None,
+                    help="with --summarize: validation accuracy against training step per run, to this PNG")
     return ap.parse_args(argv)
 
 
@@ -275,6 +310,8 @@ def main(argv=None) -> int:
         print(summarize(rows))
         if args.plot:
             plot_lengths(rows, args.plot)
+        if args.plot_val:
+            plot_validation(rows, args.plot_val)
         return 0
     start = time.time()
     args.budget = args.budget or (60.0 if args.quick else 540.0)
@@ -302,6 +339,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} L{r['config']['n_layers']} seed {r['seed']}: "
               f"acc 40..256 {100 * r['acc_mean']:.1f}%, at 256 {100 * r['acc_max_len']:.1f}%, "
+              + (f"selected {100 * r['acc_selected_mean']:.1f}% (step {r['val_best_step']}), "
+                 if "acc_selected_mean" in r else "") +
               f"loss {r['train_loss']:.3g} ({r['steps_run']} steps, {r['seconds']}s)", flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(r) + "\n")

@@ -8,8 +8,10 @@ import torch
 from llm_surgery.bench.state_tracking.__main__ import _seeds, main, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
 from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig,
-                                                    adapt_len, candidate_seed, cli_defaults, lr_at, max_train_len,
-                                                    preset_for, progress, train)
+                                                    TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
+                                                    held_out_generator, lr_at, max_train_len, param_groups, preset_for,
+                                                    progress, train)
+from llm_surgery.bench.state_tracking.tasks import get_task
 from llm_surgery.layers import FlashPDSSM
 
 
@@ -62,6 +64,55 @@ def test_restarts_continue_the_candidate_with_the_lowest_training_loss():
         TrainConfig(restarts=2, restart_frac=1.0)
 
 
+def test_validation_keeps_the_best_weights_and_reports_them_on_the_test_set():
+    cfg = TrainConfig(task="parity", n_layers=1, d_model=16, steps=12, batch_size=8, eval_lengths=(40, 64),
+                      eval_batch=16, eval_every=4, stop_acc=2.0, mixer=dict(num_heads=2))
+    run = TrainRun(cfg, 0, get_task("parity"), torch.device("cpu"))
+    first = run.validate()
+    kept = {k: v.clone() for k, v in run.model.state_dict().items()}
+    assert run.validate() == first  # the same validation sequences at every call
+    with torch.no_grad():  # worse weights: a constant prediction scores about half, below a run's best so far
+        for p in run.model.parameters():
+            p.zero_()
+    run.best_val = 0.99
+    run.validate()
+    assert run.best_val == 0.99 and all(torch.equal(kept[k], v) for k, v in run.best_state.items())
+
+    r = train(cfg)
+    steps = [s for s, _ in r["val_curve"]]
+    assert steps == [4, 8, 12] and r["steps_run"] == 12
+    assert r["val_best"] == max(m for _, m in r["val_curve"]) == dict(r["val_curve"])[r["val_best_step"]]
+    if r["val_best_step"] == 12:
+        assert r["acc_selected"] == r["acc"]
+    # the reported selection is the kept weights on the test sequences: retrain, pick the same step, evaluate
+    again = TrainRun(cfg, 0, get_task("parity"), torch.device("cpu"))
+    again.advance(r["val_best_step"] / cfg.steps)
+    acc = evaluate(again.model, again.task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(0),
+                   torch.device("cpu"))
+    assert {str(k): v for k, v in acc.items()} == r["acc_selected"]
+    assert "acc_selected" not in train(TrainConfig(**{**cfg.__dict__, "eval_every": 0}))
+
+
+def test_weight_decay_reaches_linear_weights_only():
+    model = StateTracker(3, 2, d_model=16, n_layers=1, num_heads=2)
+    decayed, kept = param_groups(model, 0.1)
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in decayed["params"]} == {
+        "blocks.0.mixer.in_proj.weight", "blocks.0.mixer.x_proj.weight", "blocks.0.mixer.out_proj.weight",
+        "head.weight"}
+    assert len(decayed["params"]) + len(kept["params"]) == len(names)
+    run = TrainRun(TrainConfig(task="parity", n_layers=1, d_model=16, weight_decay=0.1, mixer=dict(num_heads=2)),
+                   0, get_task("parity"), torch.device("cpu"))
+    before = run.model.blocks[0].mixer.decay_bias.clone(), run.model.head.weight.clone()
+    run.set_lr(1.0)
+    for p in run.model.parameters():  # zero gradients: only weight decay moves a parameter
+        p.grad = torch.zeros_like(p)
+    run.opt.step()
+    assert torch.equal(run.model.blocks[0].mixer.decay_bias, before[0])
+    torch.testing.assert_close(run.model.head.weight, before[1] * 0.9)
+
+
 def test_cli_defaults_per_kind():
     p = cli_defaults("pdssm", task="s3", n_layers=1)
     assert p.mixer == PDSSM_PRESETS["robust"] and p.task == "s3"  # auto: one layer -> robust
@@ -106,15 +157,22 @@ def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
     main(["--task", "parity", "--steps", "2", "--seeds", "1", "--layers", "1", "--d-model", "16", "--batch-size", "4",
           "--preset", "layer", "--eval-lengths", "40", "--eval-batch", "4", "--out", str(out)])
     assert json.loads(out.read_text().splitlines()[-1])["config"]["mixer"] == {}
+    assert "acc_selected" not in rows[0]  # the default --eval-every 1000 never came in 3 steps
+    main(["--task", "parity", "--steps", "4", "--seeds", "1", "--layers", "1", "--d-model", "16", "--batch-size", "4",
+          "--eval-every", "2", "--eval-lengths", "40", "--eval-batch", "4", "--out", str(out)])
+    last = json.loads(out.read_text().splitlines()[-1])
+    assert [s for s, _ in last["val_curve"]] == [2, 4] and set(last["acc_selected"]) == {"40"}
     text = capsys.readouterr().out
-    assert "| pdssm | parity | 2 |" in text
+    assert "| pdssm | parity | 2 |" in text and "validation-selected" in text
     with pytest.raises(SystemExit):
         main(["--task", "dyck", "--steps", "1"])
 
 
 def test_summarize_mean_and_standard_error():
     rows = [{"kind": "pdssm", "task": "parity", "acc_mean": a} for a in (0.9, 1.0)]
-    assert "95.0 ± 5.0" in summarize(rows)
+    assert "| 2 | 95.0 ± 5.0 | — |" in summarize(rows)
+    rows = [{**r, "acc_selected_mean": 1.0} for r in rows]
+    assert "| 2 | 95.0 ± 5.0 | 100.0 ± 0.0 |" in summarize(rows)
 
 
 def test_set_tau_reaches_every_pdssm_layer():

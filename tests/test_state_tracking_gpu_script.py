@@ -65,6 +65,10 @@ def test_summary_tables(tmp_path):
     assert "| pdssm (robust preset) | 50.0 ± 0.0 | — |" in text
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}}}) == "pdssm (layer preset)"
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}, "name": "snap"}}) == "pdssm (snap)"
+    assert "selected by validation" not in text
+    rows[0] = {**rows[0], "acc_selected_mean": 0.9}  # one run validated: a second table with that run only
+    text = gpu.summarize(rows)
+    assert "selected by validation" in text and "| pdssm | 90.0 ± 0.0 | — | — | — | — | 1 | 10-10 |" in text
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert gpu.main(["--summarize", str(path)]) == 0
@@ -93,4 +97,14 @@ def test_plot_of_accuracy_against_length(tmp_path):
              "config": {"n_layers": 2, "mixer": {}, "name": "snap"}} for t in gpu.TABLE1_TASKS]
     out = tmp_path / "len.png"
     gpu.plot_lengths(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_plot_of_validation_against_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"kind": "pdssm", "task": t, "seed": s, "val_curve": [[500, 0.5], [1000, 0.9 - 0.1 * s]],
+             "config": {"n_layers": 2, "mixer": {}, "name": "snap"}} for t in gpu.TABLE1_TASKS for s in (0, 1)]
+    rows.append({**rows[0], "val_curve": None})  # a run without validation is left out
+    out = tmp_path / "val.png"
+    gpu.plot_validation(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

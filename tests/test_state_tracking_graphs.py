@@ -1,5 +1,6 @@
-"""CUDA graphs in the state-tracking trainer: a graphed run trains exactly like an eager one (same parameters
-after steps at interleaved lengths, through the eager first step, capture and replay of each length's graph)."""
+"""CUDA graphs in the state-tracking trainer: a graphed run trains like an eager one (same loss and update
+at every step from the same state; same parameters after steps at interleaved lengths, through the eager first
+step, capture and replay of each length's graph)."""
 
 import importlib.util
 
@@ -34,25 +35,69 @@ def test_runs_on_cpu_are_never_graphed():
     assert loss.ndim == 0 and torch.isfinite(loss)
 
 
-@cuda
-@pytest.mark.parametrize("kind,preset", KINDS)
-def test_graphed_training_matches_eager(kind, preset):
-    task = get_task("cycle_navigation")
+def _sync(dst: TrainRun, src: TrainRun) -> None:
+    """Copy parameters and optimizer state in place (a captured graph reads these very tensors)."""
+    with torch.no_grad():
+        for a, b in zip(dst.model.parameters(), src.model.parameters()):
+            a.copy_(b)
+            for key, value in dst.opt.state[a].items():
+                value.copy_(src.opt.state[b][key])
+
+
+def _pair(kind, preset, task):
     runs = []
     for graphs in (False, True):
         cfg = cli_defaults(kind, preset=preset, task="cycle_navigation", d_model=64, batch_size=32, device="cuda",
-                           cuda_graphs=graphs, grad_clip=1.0)
+                           cuda_graphs=graphs, grad_clip=1.0, weight_decay=0.01)
         runs.append(TrainRun(cfg, 0, task, torch.device("cuda")))
     eager, graphed = runs
     assert graphed.graphed and not eager.graphed
     graphed.model.load_state_dict(eager.model.state_dict())
+    return eager, graphed
+
+
+LENGTHS = [5, 5, 9, 5, 9, 9, 12, 5, 12, 12, 9]  # eager first step, capture, replays, interleaved
+
+
+@cuda
+@pytest.mark.parametrize("kind,preset", KINDS)
+def test_graphed_steps_match_eager_steps(kind, preset):
+    """Step by step from the same state (synchronised before each step): the same loss and update. This holds
+    for the tracking preset too, whose whole trajectories need not agree (below)."""
+    task = get_task("cycle_navigation")
+    eager, graphed = _pair(kind, preset, task)
     gen = torch.Generator().manual_seed(0)
-    lengths = [5, 5, 9, 5, 9, 9, 12, 5, 12, 12, 9]  # eager first step, capture, replays, interleaved
+    for i, L in enumerate(LENGTHS):
+        batch = task.batch(32, L, L, gen)
+        if i:
+            _sync(graphed, eager)
+        lr = 1e-3 * (1 + i % 3)  # the graph must read the learning rate set before each replay
+        losses = []
+        for run in (eager, graphed):
+            run.set_lr(lr)
+            losses.append(run.train_step(*batch).item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-5), (i, L)
+        for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=f"step {i}: {name}")
+    assert len(graphed.graphed_step.graphs) == 3
+
+
+@cuda
+@pytest.mark.parametrize("kind,preset", [k for k in KINDS if k.values[1] != "tracking"])
+def test_graphed_training_matches_eager(kind, preset):
+    """Whole trajectories agree where the model is smooth in its parameters. Not asserted for the tracking
+    preset: phases rounded to a grid and magnitudes clamped at 1 make a trajectory jump when float rounding
+    moves a phase across a rounding boundary (an H200 showed eager and graphed runs 1.4% apart in loss
+    after 11 steps while two eager runs agreed exactly: bench/graph_divergence.py)."""
+    task = get_task("cycle_navigation")
+    eager, graphed = _pair(kind, preset, task)
+    runs = (eager, graphed)
+    gen = torch.Generator().manual_seed(0)
     losses = {False: [], True: []}
-    for i, L in enumerate(lengths):
+    for i, L in enumerate(LENGTHS):
         batch = task.batch(32, L, L, gen)
         for run in runs:
-            run.set_lr(1e-3 * (1 + i % 3))  # the graph must read the learning rate set before each replay
+            run.set_lr(1e-3 * (1 + i % 3))
             losses[run.graphed].append(run.train_step(*batch).item())
     assert len(graphed.graphed_step.graphs) == 3
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=2e-4)

@@ -66,7 +66,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str = "cpu"
-    eval_every: int = 0  # 0: only at the end; else also stop early once every eval length is >= stop_acc
+    eval_every: int = 0  # > 0: TrainRun.validate every K steps (keeps the best weights); stop once all >= stop_acc
     stop_acc: float = 1.0
     time_limit_s: float = 0.0  # > 0: stop after this many seconds of training; schedules then run on time
     restarts: int = 1  # > 1: train this many candidates briefly, continue the best by training loss
@@ -182,6 +182,15 @@ def build_model(cfg: TrainConfig) -> StateTracker:
                         kind=cfg.kind, **opts)
 
 
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on the weights of linear maps only: not on the embedding, norms, biases or the recurrence's
+    own parameters (a decay bias pulled to 0 would pull every |D| to 1/2)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    params = list(model.parameters())
+    return [{"params": [p for p in params if id(p) in linear], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0}]
+
+
 class TrainRun:
     """One model with its optimizer, data stream and clock; `advance` trains it up to a fraction of the run."""
 
@@ -193,15 +202,17 @@ class TrainRun:
         # a step depends on tau only through kernel arguments, which a captured graph freezes
         self.graphed = cfg.cuda_graphs and device.type == "cuda" and cfg.tau_start == cfg.tau_end
         if self.graphed:  # optimizer state and learning rate on the GPU, so the graph reads them each replay
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(cfg.lr, device=device),
-                                         weight_decay=cfg.weight_decay, capturable=True)
+            self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay),
+                                         lr=torch.tensor(cfg.lr, device=device), capturable=True)
             self.graphed_step = GraphedTrainStep(self.model, self.opt, cfg.grad_clip)
         else:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
         self.adaptive = cfg.curriculum_mode == "adaptive"
         self.cur_len = min(cfg.max_len, cfg.min_len + 1)  # adaptive curriculum: the longest training length now
         self.probe_gen = torch.Generator().manual_seed(seed + 12_345)  # its checks do not shift the data stream
+        self.val_curve: list[tuple[int, float]] = []  # (step, mean validation accuracy)
+        self.best_state, self.best_val, self.best_step = None, -1.0, 0
 
     def frac(self) -> float:
         return progress(self.step, self.seconds, self.cfg)
@@ -250,15 +261,30 @@ class TrainRun:
             if self.adaptive and self.step % ADAPT_EVERY == 0:
                 self.adapt()
             if cfg.eval_every and self.step % cfg.eval_every == 0:
-                acc = evaluate(model, self.task, cfg.eval_lengths, cfg.eval_batch, self.gen, self.device)
+                acc = self.validate()
                 if log:
                     log(f"{cfg.task} {cfg.kind} seed {self.seed} step {self.step} loss {self.train_loss():.4f} "
-                        f"len {self.max_len()} acc {min(acc.values()):.3f}..{max(acc.values()):.3f} "
+                        f"len {self.max_len()} val {min(acc.values()):.3f}..{max(acc.values()):.3f} "
                         f"({self.seconds:.0f}s)")
                 self.done = min(acc.values()) >= cfg.stop_acc
             self.done = self.done or self.step >= cfg.steps or (cfg.time_limit_s and self.seconds >= cfg.time_limit_s)
         if pending:
             self.losses = (self.losses + torch.stack(pending).tolist())[-50:]
+
+    @torch.no_grad()
+    def validate(self) -> dict[int, float]:
+        """Accuracy per eval length on a validation set: the same sequences at every call, drawn from a stream
+        apart from the training data and the final test set. The weights with the best mean so far are kept,
+        as the baselines' training code (Walker et al. 2025, the paper's Table 1 protocol) validates on lengths
+        40..256 during training; `train` reports the kept weights on the test set beside the final ones."""
+        gen = torch.Generator().manual_seed(VAL_SEED + self.seed)
+        acc = evaluate(self.model, self.task, self.cfg.eval_lengths, self.cfg.eval_batch, gen, self.device)
+        mean = sum(acc.values()) / len(acc)
+        self.val_curve.append((self.step, round(mean, 5)))
+        if mean > self.best_val:
+            self.best_val, self.best_step = mean, self.step
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return acc
 
     def train_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
@@ -276,6 +302,14 @@ class TrainRun:
             total += F.cross_entropy(self.model(tokens.to(self.device)), labels.to(self.device)).item()
         self.model.train()
         return total / batches
+
+
+VAL_SEED = 20_000  # validation sequences: generator seed VAL_SEED + run seed (test: held_out_generator)
+
+
+def held_out_generator(seed: int) -> torch.Generator:
+    """The held-out test sequences of a run (the same for its final and its validation-selected weights)."""
+    return torch.Generator().manual_seed(10_000 + seed)
 
 
 def candidate_seed(seed: int, r: int) -> int:
@@ -307,8 +341,16 @@ def train(cfg: TrainConfig, log=None) -> dict:
         del run
     run = best
     run.advance(1.0, log)
-    eval_gen = torch.Generator().manual_seed(10_000 + cfg.seed)  # held-out stream
-    acc = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, eval_gen, device)
+    acc = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(cfg.seed), device)
+    selected = {}
+    if run.best_state is not None:  # validation-selected weights, on the same test sequences
+        if run.val_curve[-1][0] != run.step:
+            run.validate()  # the final weights compete too
+        run.model.load_state_dict(run.best_state)
+        sel = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(cfg.seed), device)
+        selected = {"acc_selected_mean": sum(sel.values()) / len(sel),
+                    "acc_selected": {str(k): v for k, v in sel.items()},
+                    "val_best": run.best_val, "val_best_step": run.best_step, "val_curve": run.val_curve}
     return {
         "task": cfg.task, "kind": cfg.kind, "seed": cfg.seed, "steps_run": run.step,
         "train_loss": run.train_loss(), "train_max_len": run.max_len(), "acc_mean": sum(acc.values()) / len(acc),
@@ -316,6 +358,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
         "chosen_seed": run.seed, "restart_losses": sel_losses,
         "graphed": run.graphed and run.graphed_step.failed is None,
         "seconds": round(time.time() - t_start, 1), "params": sum(p.numel() for p in run.model.parameters()),
+        **selected,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }
 
