@@ -202,15 +202,31 @@ def table9(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_lengths(rows: list[dict], path: str) -> None:
-    """Accuracy against evaluation length per Table 1 task, one line per model (mean over seeds): drift shows
-    as a slope, a learned automaton as a flat line."""
+def _task_panels(path: str, xlabel: str, ylabel: str, draw) -> None:
+    """One panel per Table 1 task (`draw(ax, task)` plots it), the first panel's labels as a shared legend
+    below (each label once), saved as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2]
     fig, axes = plt.subplots(1, len(TABLE1_TASKS), figsize=(4 * len(TABLE1_TASKS), 3.4), sharey=True)
     for ax, task in zip(axes, TABLE1_TASKS):
+        draw(ax, task)
+        ax.set_title(task)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel(ylabel)
+    legend = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # label -> a handle, first-seen order
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(5, len(legend)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(legend) - 1) // 5), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_lengths(rows: list[dict], path: str) -> None:
+    """Accuracy against evaluation length per Table 1 task, one line per model (mean over seeds): drift shows
+    as a slope, a learned automaton as a flat line."""
+    rows = [r for r in rows if r["task"] in TABLE1_TASKS and r["config"]["n_layers"] == 2]
+
+    def draw(ax, task):
         by_model: dict[str, list[dict]] = {}
         for r in rows:
             if r["task"] == task:
@@ -219,39 +235,24 @@ def plot_lengths(rows: list[dict], path: str) -> None:
             lengths = sorted(int(k) for k in accs[0])
             mean = [100 * sum(a[str(L)] for a in accs) / len(accs) for L in lengths]
             ax.plot(lengths, mean, marker=".", label=f"{name} ({len(accs)})")
-        ax.set_title(task)
-        ax.set_xlabel("evaluation length (trained on <= 40)")
-    axes[0].set_ylabel("accuracy (%)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 5), 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+    _task_panels(path, "evaluation length (trained on <= 40)", "accuracy (%)", draw)
 
 
 def plot_validation(rows: list[dict], path: str) -> None:
     """Validation accuracy (mean over lengths 40..256) against training step, one thin line per run, per Table 1
     task and model: length generalisation rises and falls during training while the training loss stays ~0."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = [r for r in rows if r["task"] in TABLE1_TASKS and r.get("val_curve")]
-    names = sorted({model_name(r) for r in rows})
-    fig, axes = plt.subplots(1, len(TABLE1_TASKS), figsize=(4 * len(TABLE1_TASKS), 3.4), sharey=True)
-    colors = {n: f"C{i}" for i, n in enumerate(names)}
-    for ax, task in zip(axes, TABLE1_TASKS):
+    colors = {n: f"C{i}" for i, n in enumerate(sorted({model_name(r) for r in rows}))}
+
+    def draw(ax, task):
         for r in rows:
             if r["task"] == task:
                 steps, accs = zip(*r["val_curve"])
-                ax.plot(steps, [100 * a for a in accs], color=colors[model_name(r)], lw=0.8, alpha=0.7)
-        ax.set_title(task)
-        ax.set_xlabel("training step")
-    axes[0].set_ylabel("validation accuracy, lengths 40..256 (%)")
-    fig.legend([plt.Line2D([], [], color=colors[n]) for n in names], names, loc="lower center",
-               ncol=min(5, len(names)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 5), 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+                ax.plot(steps, [100 * a for a in accs], color=colors[model_name(r)], lw=0.8, alpha=0.7,
+                        label=model_name(r))
+
+    _task_panels(path, "training step", "validation accuracy, lengths 40..256 (%)", draw)
 
 
 def summarize(rows: list[dict]) -> str:
