@@ -57,6 +57,9 @@ VARIANTS = {
     "tracking+wd1e-1": dict(weight_decay=0.1, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+snap5": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.05)),
     "tracking+snap10": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.1)),
+    # b_t scaled by 1 - |D_t|: entries snapped to |D| = 1 take no input, so no state grows with length
+    # (bench/state_growth.py; not yet run on the GPU)
+    "tracking+decay": dict(mixer=dict(PDSSM_PRESETS["tracking"], b_gate="decay", x_init_std=1.0)),
 }
 
 
