@@ -346,8 +346,10 @@ def train(cfg: TrainConfig, log=None) -> dict:
     if run.best_state is not None:  # validation-selected weights, on the same test sequences
         if run.val_curve[-1][0] != run.step:
             run.validate()  # the final weights compete too
-        run.model.load_state_dict(run.best_state)
-        sel = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(cfg.seed), device)
+        sel = acc  # the final weights won: already evaluated
+        if run.best_step != run.step:
+            run.model.load_state_dict(run.best_state)
+            sel = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(cfg.seed), device)
         selected = {"acc_selected_mean": sum(sel.values()) / len(sel),
                     "acc_selected": {str(k): v for k, v in sel.items()},
                     "val_best": run.best_val, "val_best_step": run.best_step, "val_curve": run.val_curve}
