@@ -1,16 +1,20 @@
-"""Data-parallel scaling of the granite3b recipe: 1 GPU against 2 GPUs, on a random-weight host of the real
+"""Data-parallel scaling of the granite3b recipe (DDP and FSDP2) on a random-weight host of the real
 granite-4.0-h-micro configuration (no hub access needed), in one call.
 
-    python bench/multi_gpu.py --out $OUT                       # 2 x H200: about 6 minutes
-    python bench/multi_gpu.py --cpu --tiny --out /tmp/mg       # the same logic on the CPU (gloo), tiny host
+    python bench/multi_gpu.py --runs ddp:1,ddp:2 --out $OUT                                  # 2 x H200
+    python bench/multi_gpu.py --runs ddp:8,fsdp:8,ddp:1,ddp:2,fsdp:2 --check-eval --out $OUT  # 8 x H200
+    python bench/multi_gpu.py --cpu --tiny --check-eval --out /tmp/mg   # the same logic on the CPU (gloo), tiny host
 
 It (1) builds the host with `llm_surgery.hosts.build_host` and saves it (bf16 weights + the Box word tokenizer) to
-<out>/host; (2) runs `accelerate launch --num_processes N recipes/granite3b.py --model <out>/host ...` for each N
-in --procs, for a fixed number of steps (bf16, 4 inserted layers of --kind); (3) reads each run's
+<out>/host; (2) runs `accelerate launch --num_processes N recipes/granite3b.py --model <out>/host [--fsdp] ...`
+for each MODE:N of --runs, for a fixed number of steps (bf16, 4 inserted layers of --kind); (3) reads each run's
 results.json["throughput"] (steady-state tokens/s of every process, peak GPU memory of every process; the
 trainer also writes them to metrics.jsonl) and prints one table: tokens/s per GPU, total, scaling efficiency
-(total with N processes / (N x total with 1)), peak memory per process. Outputs: <out>/np<N>/ (run directories
-with their logs), <out>/multi_gpu.json and <out>/multi_gpu.md.
+(total with N processes / (N x total of the 1-process DDP run)), peak memory per process; (4) with --check-eval,
+evaluates the saved layers of each mode's largest run again in this one process (`evaluate_run`) and compares with
+the metrics that run gathered over its N processes. Outputs: <out>/<mode>-np<N>/ (run directories with their
+logs), <out>/multi_gpu.json and <out>/multi_gpu.md (rewritten after every launch, so a cut-off call keeps what
+finished).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="granite-4.0-h-micro", help="a name of llm_surgery.hosts.HOST_CONFIGS")
     ap.add_argument("--tiny", action="store_true", help="a tiny Granite host instead (CPU check of the logic)")
     ap.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (ACCELERATE_USE_CPU)")
-    ap.add_argument("--procs", default="1,2", help="process counts to run, in order")
+    ap.add_argument("--runs", default="ddp:1,ddp:2", help="MODE:N launches in order; MODE ddp or fsdp (N >= 2)")
+    ap.add_argument("--check-eval", action="store_true",
+                    help="re-evaluate each mode's largest run in one process and compare with its gathered metrics")
     ap.add_argument("--kind", default="pdssm")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (first 5 untimed)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-process micro-batch (default: the recipe's)")
@@ -43,8 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=420, help="seconds per launch")
     ap.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = ap.parse_args(argv)
-    args.procs = [int(p) for p in args.procs.split(",")]
+    args.runs = [parse_run(r) for r in args.runs.split(",") if r.strip()]
     return args
+
+
+def parse_run(spec: str) -> tuple[str, int]:
+    """'fsdp:8' -> ('fsdp', 8)."""
+    mode, _, n = spec.strip().partition(":")
+    if mode not in ("ddp", "fsdp") or not n.isdigit() or int(n) < 1 or (mode == "fsdp" and int(n) < 2):
+        raise SystemExit(f"--runs: {spec!r} is not ddp:N or fsdp:N (N >= 2 for fsdp)")
+    return mode, int(n)
 
 
 def build_and_save_host(args, path: Path) -> dict:
@@ -72,7 +86,7 @@ def build_and_save_host(args, path: Path) -> dict:
     return {"host": "tiny granite" if args.tiny else args.host, "params": n_params, "seconds": time.time() - t0}
 
 
-def launch(args, n: int, host: Path, out: Path) -> dict:
+def launch(args, n: int, host: Path, out: Path, mode: str = "ddp") -> dict:
     """One `accelerate launch` of the recipe; returns its wall time, exit status and throughput."""
     precision = "no" if args.cpu else "bf16"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
@@ -81,7 +95,8 @@ def launch(args, n: int, host: Path, out: Path) -> dict:
            "--mixed-precision", precision, "--host-dtype", "float32" if args.cpu else "bfloat16",
            "--output-dir", str(out), "--max-eval-examples", str(args.max_eval_examples), "--no-progress",
            "--log-every", str(max(1, args.steps // 10)), "--quick-autotune",
-           *(["--batch-size", str(args.batch_size)] if args.batch_size else []), *args.extra]
+           *(["--batch-size", str(args.batch_size)] if args.batch_size else []), *(["--fsdp"] if mode == "fsdp"
+                                                                                     else []), *args.extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if args.cpu:
@@ -101,7 +116,8 @@ def launch(args, n: int, host: Path, out: Path) -> dict:
             rc = "timeout"
     wall = time.time() - t0
     tail = failure_lines((out / "launch.log").read_text().splitlines())
-    res = {"num_processes": n, "rc": rc, "wall_seconds": wall, "command": " ".join(cmd)}
+    res = {"mode": mode, "num_processes": n, "rc": rc, "wall_seconds": wall, "command": " ".join(cmd),
+           "run_dir": str(out)}
     if rc != 0 or not (out / "results.json").is_file():
         print(f"  FAILED ({rc}) after {wall:.0f}s; last lines of {out / 'launch.log'}:\n    " + "\n    ".join(tail))
         return res
@@ -136,24 +152,66 @@ def prebuild_kernels() -> str:
 
 
 def table(runs: list[dict], unit: str) -> str:
-    """Markdown: tokens/s per process (mean), total, scaling efficiency against the 1-process run, memory."""
+    """Markdown: tokens/s per process (mean), total, scaling efficiency against the 1-process DDP run, memory."""
     base = next((r["throughput"]["tokens_per_s_total"] for r in runs if r["num_processes"] == 1 and "throughput"
                  in r), None)
-    lines = [f"| processes | tokens/s per {unit} | total tokens/s | scaling efficiency | peak memory per {unit} "
-             "(GiB) | timed steps | wall s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| processes | mode | tokens/s per {unit} | total tokens/s | scaling efficiency | peak memory per "
+             f"{unit} (GiB) | timed steps | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
+        n, mode = r["num_processes"], r.get("mode", "ddp").upper()
         if "throughput" not in r:
-            lines.append(f"| {r['num_processes']} | failed ({r['rc']}) | | | | | {r['wall_seconds']:.0f} |")
+            lines.append(f"| {n} | {mode} | failed ({r['rc']}) | | | | | {r['wall_seconds']:.0f} |")
             continue
         t = r["throughput"]
-        n = r["num_processes"]
         per = t["tokens_per_s_by_process"]
         eff = f"{100 * t['tokens_per_s_total'] / (n * base):.0f}%" if base else "-"
         mem = t.get("peak_memory_gib_by_process")
         mem = ", ".join(f"{g:.1f}" for g in mem) if mem else "-"
-        lines.append(f"| {n} | {sum(per) / len(per):,.0f} | {t['tokens_per_s_total']:,.0f} | {eff} | {mem} | "
+        lines.append(f"| {n} | {mode} | {sum(per) / len(per):,.0f} | {t['tokens_per_s_total']:,.0f} | {eff} | {mem} | "
                      f"{t['timed_steps']} | {r['wall_seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def compare_evaluations(gathered: dict, single: dict) -> dict:
+    """The metrics a run gathered over its processes against one process's evaluation of its saved layers:
+    example counts per number of operations (must be equal) and the largest accuracy difference."""
+    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
+    diffs = []
+    for part in ("accuracy", "token_accuracy"):
+        for a, b in ((gathered, single), (gathered["iid"], single["iid"]), (gathered["ood"], single["ood"])):
+            if a.get(part) is not None and b.get(part) is not None:
+                diffs.append(abs(a[part] - b[part]))
+        for k, v in gathered["by_num_ops"].items():
+            w = single["by_num_ops"].get(k, {})
+            if v.get(part) is not None and w.get(part) is not None:
+                diffs.append(abs(v[part] - w[part]))
+    return {"num_examples": [gathered["num_examples"], single["num_examples"]],
+            "counts_equal": count(gathered) == count(single), "max_abs_accuracy_diff": max(diffs, default=None),
+            "accuracy": [gathered["accuracy"], single["accuracy"]],
+            "token_accuracy": [gathered.get("token_accuracy"), single.get("token_accuracy")]}
+
+
+def check_evaluations(runs: list[dict]) -> list[dict]:
+    """For each mode, its largest finished run: gathered test metrics vs this process evaluating the saved layers."""
+    import torch
+
+    from llm_surgery.train.evaluate import evaluate_run
+
+    checks = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        done = [r for r in runs if r["mode"] == mode and "throughput" in r]
+        if not done:
+            continue
+        run = max(done, key=lambda r: r["num_processes"])
+        t0 = time.time()
+        gathered = json.loads((Path(run["run_dir"]) / "results.json").read_text())["test"]
+        check = {"mode": mode, "num_processes": run["num_processes"],
+                 **compare_evaluations(gathered, evaluate_run(run["run_dir"])), "seconds": time.time() - t0}
+        print(f"evaluation check, {mode} x{run['num_processes']}: {check}", flush=True)
+        checks.append(check)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return checks
 
 
 def main(argv=None) -> dict:
@@ -167,16 +225,32 @@ def main(argv=None) -> dict:
           flush=True)
     if not args.cpu:
         print(prebuild_kernels(), flush=True)
-    runs = [launch(args, n, host_dir, out / f"np{n}") for n in args.procs]
     unit = "process" if args.cpu else "GPU"
-    md = (f"{args.recipe} on a random-weight {host['host']} host ({host['params'] / 1e6:,.1f} M params), "
-          f"{args.kind} x4, {args.steps} steps, {'CPU/gloo, fp32' if args.cpu else 'bf16'}; steady state "
-          f"(first steps, evaluation and start-up left out)\n\n" + table(runs, unit))
-    summary = {"args": vars(args), "host": host, "runs": runs, "wall_seconds": time.time() - t0}
-    (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2))
-    (out / "multi_gpu.md").write_text(md + "\n")
+    summary = {"args": {**vars(args), "runs": [f"{m}:{n}" for m, n in args.runs]}, "host": host, "runs": []}
+
+    def write() -> str:
+        md = (f"{args.recipe} on a random-weight {host['host']} host ({host['params'] / 1e6:,.1f} M params), "
+              f"{args.kind} x4, {args.steps} steps, {'CPU/gloo, fp32' if args.cpu else 'bf16'}; steady state "
+              f"(first steps, evaluation and start-up left out)\n\n" + table(summary["runs"], unit))
+        for c in summary.get("eval_checks", []):
+            md += (f"\n\nevaluation check, {c['mode']} x{c['num_processes']}: gathered over the processes vs one "
+                   f"process on the saved layers: {c['num_examples'][0]} / {c['num_examples'][1]} examples, counts "
+                   f"per number of operations {'equal' if c['counts_equal'] else 'DIFFERENT'}, largest accuracy "
+                   f"difference {c['max_abs_accuracy_diff']}")
+        summary["wall_seconds"] = time.time() - t0
+        (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2))
+        (out / "multi_gpu.md").write_text(md + "\n")
+        return md
+
+    for mode, n in args.runs:
+        summary["runs"].append(launch(args, n, host_dir, out / f"{mode}-np{n}", mode))
+        write()
+    if args.check_eval:
+        summary["eval_checks"] = check_evaluations(summary["runs"])
+    md = write()
     print("\n" + md + f"\n\nmulti_gpu done in {summary['wall_seconds']:.0f}s; outputs in {out}", flush=True)
-    if any("throughput" not in r for r in runs):
+    bad_eval = any(not c["counts_equal"] for c in summary.get("eval_checks", []))
+    if any("throughput" not in r for r in summary["runs"]) or bad_eval:
         sys.exit(1)
     return summary
 

@@ -18,6 +18,7 @@ from llm_surgery.train.checkpoint import (CheckpointError, list_checkpoints, loa
                                           save_checkpoint)
 from llm_surgery.train.config import TrainConfig, build_parser, parse_config
 from llm_surgery.train.data import ShardedBatchSampler, cap_records, make_splits
+from llm_surgery.train.evaluate import evaluate_run
 from llm_surgery.train.metrics import read_jsonl
 from llm_surgery.train.schedule import build_scheduler, lr_factor
 
@@ -252,31 +253,28 @@ def _env():
     return env
 
 
-def _launch(args, env, expect_ok=True):
+def _launch(args, env, expect_ok=True, script=("-m", "llm_surgery.train")):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "llm_surgery.train", *args]
-    proc = subprocess.run(cmd, env={**env, "ACCELERATE_USE_CPU": "true"}, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script, *args]
+    path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # a script's folder is not the repo
+    proc = subprocess.run(cmd, env={**env, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": path}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
-def _evaluate_in_one_process(host_dir, inserted_dir, cfg):
-    """Test-split results of a saved `save_inserted` checkpoint, evaluated by this process alone."""
-    from accelerate import Accelerator
-
-    from llm_surgery.insert import load_inserted
-    from llm_surgery.train.evaluate import EvalSet, evaluate
-    from llm_surgery.train.host import load_pretrained
-
-    accelerator = Accelerator(cpu=True)
-    model, tok = load_pretrained(str(host_dir), torch.float32, accelerator.device)
-    load_inserted(model, inserted_dir)
-    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
-    test = EvalSet(accelerator, tok, "test", cap_records(splits["test"], cfg.max_eval_examples), cfg.eval_batch_size)
-    return evaluate(accelerator, model, tok, test, cfg.train_max_ops, cfg.eval_mode)
+def _assert_same_evaluation(got: dict, want: dict) -> None:
+    """Two evaluations of one checkpoint on one test split agree. (A tiny random host scores ~0 after 4 steps, so
+    this checks above all that a gather neither drops nor repeats examples: every count per number of operations
+    must match.)"""
+    assert got["num_examples"] == want["num_examples"] == len(cap_records(make_splits(20, 2255, 6, 26)["test"], 60))
+    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
+    assert count(got) == count(want) and len(count(got)) > 5
+    for part in ("accuracy", "token_accuracy"):
+        assert got[part] == pytest.approx(want[part], abs=1e-12)
+        assert got["iid"][part] == pytest.approx(want["iid"][part], abs=1e-12)
+        assert got["ood"][part] == pytest.approx(want["ood"][part], abs=1e-12)
 
 
 @pytest.mark.slow
@@ -294,17 +292,7 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     ref = {r["step"]: r["loss"] for r in read_jsonl(full / "metrics.jsonl") if "loss" in r}
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
     # the metrics gathered from the 2 ranks equal one process evaluating the saved checkpoint alone
-    single = _evaluate_in_one_process(tiny_host_dir, full / "final", parse_config(common))
-    # (the tiny random host scores ~0 after 4 steps, so this checks above all that the gather neither drops nor
-    # duplicates examples: every count per number of operations must match)
-    got, want = single, res["test"]
-    assert got["num_examples"] == want["num_examples"] == len(cap_records(make_splits(20, 2255, 6, 26)["test"], 60))
-    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
-    assert count(got) == count(want) and len(count(got)) > 5
-    for part in ("accuracy", "token_accuracy"):
-        assert got[part] == pytest.approx(want[part], abs=1e-12)
-        assert got["iid"][part] == pytest.approx(want["iid"][part], abs=1e-12)
-        assert got["ood"][part] == pytest.approx(want["ood"][part], abs=1e-12)
+    _assert_same_evaluation(evaluate_run(full), res["test"])
 
     crashed = tmp_path / "crashed"
     proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
@@ -319,6 +307,41 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
         assert abs(got[step] - ref[step]) <= 1e-6, (step, got[step], ref[step])
     resumed = json.loads((crashed / "results.json").read_text())
     assert resumed["test"]["accuracy"] == pytest.approx(res["test"]["accuracy"])
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes(tmp_path, tiny_host_dir):
+    """The trainer's FSDP2 code (sharded parameters, gathered checkpoints and artifact, resume), which Accelerate
+    runs only on GPUs, run on 2 gloo processes (tests/fsdp_on_cpu.py makes Accelerate shard there): same losses
+    as DDP, the same saved layers, an exact resume, and gathered metrics equal to a one-process evaluation."""
+    from safetensors.torch import load_file
+
+    common = ["--model", str(tiny_host_dir), "--kind", "pdssm", "--max-steps", "4", "--save-every", "2", *SMALL]
+    script = [str(REPO / "tests" / "fsdp_on_cpu.py"), "--fsdp"]
+    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
+    _launch([*common, "--output-dir", str(ddp)], _env())
+    proc = _launch([*common, "--output-dir", str(fsdp)], _env(), script=script)
+    assert "2 process(es), FSDP" in proc.stdout
+    losses = lambda run: {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+    ref = losses(ddp)
+    assert sorted(losses(fsdp)) == [1, 2, 3, 4]
+    for step, loss in losses(fsdp).items():
+        assert loss == pytest.approx(ref[step], rel=1e-5), step
+    # the artifact holds whole tensors (gathered from both shards), equal to DDP's
+    want, got = load_file(ddp / "final" / "inserted.safetensors"), load_file(fsdp / "final" / "inserted.safetensors")
+    assert sorted(got) == sorted(want) and len(got) > 10
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_evaluation(evaluate_run(fsdp), json.loads((fsdp / "results.json").read_text())["test"])
+
+    proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
+                   expect_ok=False, script=script)
+    assert proc.returncode != 0
+    assert [p.name for p in list_checkpoints(crashed / "checkpoints")] == ["step-00000002"]
+    _launch([*common, "--output-dir", str(crashed), "--resume", "latest"], _env(), script=script)
+    for step, loss in losses(crashed).items():
+        assert abs(loss - losses(fsdp)[step]) <= 1e-6, step
 
 
 def test_fsdp_without_gpus_is_a_clear_error():
@@ -415,7 +438,7 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, 1- then 2-process launches of the granite3b
     recipe, every rank's throughput in results.json and metrics.jsonl, one table row per launch."""
     out = tmp_path / "mg"
-    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "6",
+    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "6", "--check-eval",
                            "--max-eval-examples", "40", "--out", str(out), "--", "--num-sequences", "20",
                            "--test-max-ops", "8", "--eval-batch-size", "64"],
                           env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
@@ -426,10 +449,14 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     two = summary["runs"][1]["throughput"]
     assert len(two["tokens_per_s_by_process"]) == 2 and all(v > 0 for v in two["tokens_per_s_by_process"])
     assert two["tokens_per_s_total"] == pytest.approx(sum(two["tokens_per_s_by_process"]))
-    logged = [r["throughput"] for r in read_jsonl(out / "np2" / "metrics.jsonl") if "throughput" in r]
+    logged = [r["throughput"] for r in read_jsonl(out / "ddp-np2" / "metrics.jsonl") if "throughput" in r]
     assert logged == [two]
     rows = [line for line in (out / "multi_gpu.md").read_text().splitlines() if line[:4] in ("| 1 ", "| 2 ")]
-    assert len(rows) == 2 and rows[0].split("|")[4].strip() == "100%"
+    assert len(rows) == 2 and rows[0].split("|")[5].strip() == "100%"
+    # the 2-process run's gathered metrics against this script's one-process evaluation of its saved layers
+    [check] = summary["eval_checks"]
+    assert check["num_processes"] == 2 and check["counts_equal"] and check["max_abs_accuracy_diff"] < 1e-12
+    assert check["num_examples"][0] == check["num_examples"][1] > 0
 
 
 def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
@@ -449,6 +476,10 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
                       f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
     args = mg.parse_args(["--cpu", "--timeout", "15", "--out", str(tmp_path)])
+    assert args.runs == [("ddp", 1), ("ddp", 2)]
+    assert mg.parse_args(["--runs", "fsdp:8,ddp:1"]).runs == [("fsdp", 8), ("ddp", 1)]
+    with pytest.raises(SystemExit, match="fsdp:1"):
+        mg.parse_args(["--runs", "fsdp:1"])
     args.recipe = str(script)
     res = mg.launch(args, 1, tmp_path / "host", tmp_path / "np1")
     assert res["rc"] == "timeout"

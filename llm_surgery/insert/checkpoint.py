@@ -18,16 +18,30 @@ FORMAT = "llm_surgery.inserted"
 FORMAT_VERSION = 1
 
 
-def save_inserted(model, directory) -> Path:
-    """Write the inserted layers of `model` to `directory` (created if needed); returns the directory."""
+def save_inserted(model, directory, full_state_dict: dict | None = None) -> Path:
+    """Write the inserted layers of `model` to `directory` (created if needed); returns the directory.
+
+    `full_state_dict`: the whole model's gathered state dict (keys as `model.named_parameters()`), for models whose
+    own tensors are shards (FSDP2: `get_model_state_dict(..., full_state_dict=True)`); by default each inserted
+    block's own `state_dict()` is read."""
     specs = inserted_specs(model)
     if not specs:
         raise ValueError("this model has no inserted layers to save; call insert_layers first")
     from llm_surgery import __version__
 
     tensors = {}
+    prefix = {id(m): name for name, m in model.named_modules()}
     for idx, block in inserted_layers(model).items():
-        for name, t in block.state_dict().items():
+        names = block.state_dict().keys()
+        if full_state_dict is None:
+            local = block.state_dict()
+        else:
+            keys = {n: f"{prefix[id(block)]}.{n}" for n in names}
+            missing = [k for k in keys.values() if k not in full_state_dict]
+            if missing:
+                raise ValueError(f"the gathered state dict lacks inserted layer {idx}'s tensors {missing[:3]}")
+            local = {n: full_state_dict[k] for n, k in keys.items()}
+        for name, t in local.items():
             if t.is_meta:
                 raise ValueError(f"inserted layer {idx} is on the meta device; materialise the model before saving")
             tensors[f"layers.{idx}.{name}"] = t.detach().to("cpu").contiguous()

@@ -13,30 +13,27 @@ LORA_WEIGHTS, LORA_CONFIG = "lora.safetensors", "lora.json"
 
 
 def save_final(accelerator, model, final_dir: Path, cfg) -> None:
-    """Collective. Rank 0 writes. Under FSDP2 every wrapped unit is unsharded first (so rank 0 holds full
-    tensors), then resharded."""
+    """Collective. Rank 0 writes. Under FSDP2 the trainable tensors (and buffers) are gathered first, to rank 0's
+    CPU: each rank holds only shards of them."""
     from accelerate.utils import DistributedType
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from llm_surgery.insert import save_inserted
 
     inner = accelerator.unwrap_model(model)
-    units = []
+    full = None
     if accelerator.distributed_type == DistributedType.FSDP:
-        units = [m for m in inner.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
-        for m in units:
-            m.unshard()
-    try:
-        if accelerator.is_main_process:
-            save_inserted(inner, final_dir)
-            if cfg.lora_r:
-                lora = {k: v.detach().cpu().contiguous() for k, v in inner.state_dict().items() if "lora_" in k}
-                save_file(lora, str(Path(final_dir) / LORA_WEIGHTS))
-                (Path(final_dir) / LORA_CONFIG).write_text(json.dumps(
-                    {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
-                     "targets": cfg.lora_targets}, indent=2))
-    finally:
-        for m in units:
-            m.reshard()
+        full = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    if accelerator.is_main_process:
+        save_inserted(inner, final_dir, full_state_dict=full)
+        if cfg.lora_r:
+            state = full if full is not None else inner.state_dict()
+            lora = {k: v.detach().cpu().contiguous() for k, v in state.items() if "lora_" in k}
+            save_file(lora, str(Path(final_dir) / LORA_WEIGHTS))
+            (Path(final_dir) / LORA_CONFIG).write_text(json.dumps(
+                {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                 "targets": cfg.lora_targets}, indent=2))
     accelerator.wait_for_everyone()
 
 

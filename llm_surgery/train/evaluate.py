@@ -106,3 +106,43 @@ def _add_token_accuracy(result: dict, records, counts: dict, train_max_ops: int)
     result["ood"]["token_accuracy"] = share(lambda r: r["num_ops"] > train_max_ops)
     for n, part in result["by_num_ops"].items():
         part["token_accuracy"] = share(lambda r, n=n: r["num_ops"] == n)
+
+
+def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
+    """Evaluate a finished run's saved artifact (`<run_dir>/final`) again, in this process alone, with the run's
+    own config.json: its host, data and precision. The results must equal the run's gathered ones (results.json):
+    a check that sharded evaluation neither drops nor repeats examples."""
+    import json
+    from pathlib import Path
+
+    from .artifact import load_trained
+    from .config import TrainConfig
+    from .data import cap_records, make_splits
+    from .host import load_pretrained, resolve_dtype, tiny_host_dir
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file() or not (run_dir / "final").is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a finished run (needs config.json and final/)")
+    cfg = TrainConfig(**{**json.loads((run_dir / "config.json").read_text()), "fsdp": False, "resume": None})
+    if cfg.random_init_config:
+        raise ValueError(f"{run_dir} trained on a random-init host that was never saved; nothing to reload")
+    if accelerator is None:
+        from .trainer import make_accelerator
+        accelerator = make_accelerator(cfg)
+    on_cuda = accelerator.device.type == "cuda"
+    if on_cuda and cfg.host_kernels:
+        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
+        use_mamba_kernels_for_hosts()
+    model, tokenizer = load_pretrained(cfg.model or str(tiny_host_dir(cfg)), resolve_dtype(cfg.host_dtype, on_cuda),
+                                       accelerator.device)
+    load_trained(model, run_dir / "final")
+    if accelerator.mixed_precision in ("bf16", "fp16"):  # as trained: fp32 inserted weights under autocast
+        for name, p in model.named_parameters():
+            if (".pre_ssm." in name or "lora_" in name) and p.is_floating_point():
+                p.data = p.data.float()
+    model.config.use_cache = False
+    model = accelerator.prepare(model)
+    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
+    evalset = EvalSet(accelerator, tokenizer, split, cap_records(splits[split], cfg.max_eval_examples),
+                      cfg.eval_batch_size)
+    return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
