@@ -60,6 +60,9 @@ VARIANTS = {
     # b_t scaled by 1 - |D_t|: entries snapped to |D| = 1 take no input, so no state grows with length
     # (bench/state_growth.py; not yet run on the GPU)
     "tracking+decay": dict(mixer=dict(PDSSM_PRESETS["tracking"], b_gate="decay", x_init_std=1.0)),
+    # session 7: validation judges an average of the weights (horizon ~1000 steps) instead of the live ones, whose
+    # length generalisation swings by tens of points between checks
+    "tracking+ema999": dict(ema_decay=0.999, mixer=dict(PDSSM_PRESETS["tracking"])),
 }
 
 

@@ -93,6 +93,34 @@ def test_validation_keeps_the_best_weights_and_reports_them_on_the_test_set():
     assert "acc_selected" not in train(TrainConfig(**{**cfg.__dict__, "eval_every": 0}))
 
 
+
+def test_validation_judges_the_weight_average_and_leaves_training_weights_alone():
+    """ema_decay: each step moves the average towards the weights; validation evaluates and keeps the average."""
+    cfg = TrainConfig(task="parity", n_layers=1, d_model=16, steps=6, batch_size=8, eval_lengths=(40, 64),
+                      eval_batch=16, eval_every=3, stop_acc=2.0, ema_decay=0.75, mixer=dict(num_heads=2))
+    run = TrainRun(cfg, 0, get_task("parity"), torch.device("cpu"))
+    plain = TrainRun(TrainConfig(**{**cfg.__dict__, "ema_decay": 0.0}), 0, get_task("parity"), torch.device("cpu"))
+    want = [p.detach().clone() for p in plain.model.parameters()]
+    for step in range(2):  # the average by hand, next to the same training without one
+        plain.advance((step + 1) / cfg.steps)
+        want = [0.75 * w + 0.25 * p.detach() for w, p in zip(want, plain.model.parameters())]
+    run.advance(2 / cfg.steps)
+    for a, w, p, q in zip(run.ema, want, run.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, w)
+        assert torch.equal(p, q)  # the average does not feed back into training
+    live = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.validate()
+    assert all(torch.equal(live[k], v) for k, v in run.model.state_dict().items())
+    kept = [run.best_state[n] for n, _ in run.model.named_parameters()]
+    assert all(torch.equal(k, a) for k, a in zip(kept, run.ema)) and not all(
+        torch.equal(k, p) for k, p in zip(kept, run.model.parameters()))
+    r = train(cfg)
+    assert [s for s, _ in r["val_curve"]] == [3, 6] and "acc_selected" in r
+    with pytest.raises(ValueError, match="ema_decay needs eval_every"):
+        TrainConfig(ema_decay=0.9)
+    with pytest.raises(ValueError, match="ema_decay must be"):
+        TrainConfig(ema_decay=1.0, eval_every=5)
+
 def test_weight_decay_reaches_linear_weights_only():
     model = StateTracker(3, 2, d_model=16, n_layers=1, num_heads=2)
     decayed, kept = param_groups(model, 0.1)
