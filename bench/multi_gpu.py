@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny Granite host instead (CPU check of the logic)")
     ap.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (ACCELERATE_USE_CPU)")
     ap.add_argument("--runs", default="ddp:1,ddp:2", help="MODE:N launches in order; MODE ddp or fsdp (N >= 2)")
+    ap.add_argument("--procs", default=None, help="DDP process counts, e.g. 1,2 (short for --runs ddp:1,ddp:2)")
     ap.add_argument("--check-eval", action="store_true",
                     help="re-evaluate each mode's largest run in one process and compare with its gathered metrics")
     ap.add_argument("--kind", default="pdssm")
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=420, help="seconds per launch")
     ap.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = ap.parse_args(argv)
+    if args.procs:
+        args.runs = ",".join(f"ddp:{n}" for n in args.procs.split(","))
     args.runs = [parse_run(r) for r in args.runs.split(",") if r.strip()]
     return args
 

@@ -478,6 +478,7 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
     args = mg.parse_args(["--cpu", "--timeout", "15", "--out", str(tmp_path)])
     assert args.runs == [("ddp", 1), ("ddp", 2)]
     assert mg.parse_args(["--runs", "fsdp:8,ddp:1"]).runs == [("fsdp", 8), ("ddp", 1)]
+    assert mg.parse_args(["--procs", "2,1"]).runs == [("ddp", 2), ("ddp", 1)]
     with pytest.raises(SystemExit, match="fsdp:1"):
         mg.parse_args(["--runs", "fsdp:1"])
     args.recipe = str(script)
