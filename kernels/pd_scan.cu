@@ -308,6 +308,34 @@ __device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N, int* err
 
 
 
+// The chunk a block works on. Tickets are taken in launch order (atomicAdd on a.counter), chunk-major, so every
+// chunk's neighbour in scan order started earlier: a look-back never waits on a block that is not resident.
+// The backward runs the chunks last first.
+struct Chunk {
+  int c, q, s0, Tc;    // chunk index, sequence, first step, steps in this chunk (the last one may be short)
+  size_t row0;         // element offset of the chunk's first row in [S, L, N] inputs
+  long long* prof;     // this chunk's 8 clock64 probes, or null
+};
+__device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_first) {
+  Chunk ch;
+  ch.c = last_first ? a.C - 1 - tk / a.S : tk / a.S;
+  ch.q = tk % a.S;
+  ch.s0 = ch.c * a.T;
+  ch.Tc = min(a.T, a.L - ch.s0);
+  ch.row0 = (static_cast<size_t>(ch.q) * a.L + ch.s0) * a.N;
+  ch.prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;
+  return ch;
+}
+
+// Forward probes 1, 6, 7 once the chunk is staged: the time, "no look-back yet", and the SM it runs on.
+__device__ __forceinline__ void prof_staged(long long* prof) {
+  prof[1] = clock64();
+  prof[6] = -1;
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  prof[7] = smid;
+}
+
 // ---------------------------------------------------------------- forward
 template <int K, typename In, int WPW>
 __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs a) {
@@ -315,7 +343,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_ticket, s_fast;
-  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int N = a.N, T = a.T, C = a.C;
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
@@ -328,13 +356,11 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
     mbar_init(&s_bar);
   }
   __syncthreads();
-  const int tk = s_ticket;
-  const int c = tk / S, q = tk % S;
-  const int s0 = c * T;
-  long long* prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;   // optional timing probes
+  const Chunk ch = chunk_of(a, s_ticket, false);
+  const int c = ch.c, q = ch.q, Tc = ch.Tc;
+  const size_t row0 = ch.row0;
+  long long* prof = ch.prof;   // optional timing probes
   if (prof && threadIdx.x == 0) prof[0] = clock64();
-  const int Tc = min(T, L - s0);
-  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;   // element offset of the chunk's first row
 
   // shared layout: scatter buffers [2][W][Np] A | D planes | b planes | P
   constexpr int W = WPW > 0 ? WPW : 1;
@@ -363,13 +389,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
     __syncthreads();
   }
   const bool fast = s_fast;   // entering state known: no aggregate needed, publish the inclusive after the replay
-  if (prof && threadIdx.x == 0) {
-    prof[1] = clock64();
-    prof[6] = -1;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    prof[7] = smid;
-  }
+  if (prof && threadIdx.x == 0) prof_staged(prof);
   auto Dk = [&](int k, int i) { return R::sload(sD, k * N + i, pstride); };
   auto Bk = [&](int k, int i) { return R::sload(sB, k * N + i, pstride); };
   auto Pk = [&](int k, int i) { return static_cast<int>(sP[k * N + i]); };
@@ -508,7 +528,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_ticket, s_fast;
-  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int N = a.N, C = a.C;
   const int lane = threadIdx.x;
   int* err = a.counter + 1;
   int* flags = a.counter + 2;
@@ -521,23 +541,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* drow = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(prow) + align16(2 * N * 2));
   for (int i = lane; i < 2 * N; i += 32) head[i] = -1;
   __syncthreads();
-  const int tk = s_ticket;
-  const int c = tk / S, q = tk % S;
-  const int s0 = c * T;
-  long long* prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;
+  const Chunk ch = chunk_of(a, s_ticket, false);
+  const int c = ch.c, q = ch.q, Tc = ch.Tc;
+  const size_t row0 = ch.row0;
+  long long* prof = ch.prof;
   if (prof && lane == 0) prof[0] = clock64();
-  const int Tc = min(T, L - s0);
-  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;
   if (lane == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
   __syncthreads();
   const bool fast = s_fast;
-  if (prof && lane == 0) {
-    prof[1] = clock64();
-    prof[6] = -1;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    prof[7] = smid;
-  }
+  if (prof && lane == 0) prof_staged(prof);
   auto live = [&](int j) { return 32 * j + lane < N; };
   // P index checked where it is used (so that a prefetch stays a pure load): out of range -> 0 and `bad`,
   // reported once at the end (a contract violation must not corrupt shared memory)
@@ -752,7 +764,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_ticket, s_fast;
-  const int N = a.N, T = a.T, C = a.C, S = a.S, L = a.L;
+  const int N = a.N, T = a.T, C = a.C;
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
@@ -765,11 +777,9 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
     mbar_init(&s_bar);
   }
   __syncthreads();
-  const int tk = s_ticket;
-  const int c = C - 1 - tk / S, q = tk % S;     // last chunk first
-  const int s0 = c * T;
-  const int Tc = min(T, L - s0);
-  const size_t row0 = (static_cast<size_t>(q) * L + s0) * N;
+  const Chunk ch = chunk_of(a, s_ticket, true);   // last chunk first
+  const int c = ch.c, q = ch.q, Tc = ch.Tc;
+  const size_t row0 = ch.row0;
 
   // shared layout: buf[2][Np] A | D planes | g planes | x planes (slot k = x_{s0+k-1}) | P
   A* buf = reinterpret_cast<A*>(smem);
