@@ -175,30 +175,11 @@ def table(runs: list[dict], unit: str) -> str:
     return "\n".join(lines)
 
 
-def compare_evaluations(gathered: dict, single: dict) -> dict:
-    """The metrics a run gathered over its processes against one process's evaluation of its saved layers:
-    example counts per number of operations (must be equal) and the largest accuracy difference."""
-    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
-    diffs = []
-    for part in ("accuracy", "token_accuracy"):
-        for a, b in ((gathered, single), (gathered["iid"], single["iid"]), (gathered["ood"], single["ood"])):
-            if a.get(part) is not None and b.get(part) is not None:
-                diffs.append(abs(a[part] - b[part]))
-        for k, v in gathered["by_num_ops"].items():
-            w = single["by_num_ops"].get(k, {})
-            if v.get(part) is not None and w.get(part) is not None:
-                diffs.append(abs(v[part] - w[part]))
-    return {"num_examples": [gathered["num_examples"], single["num_examples"]],
-            "counts_equal": count(gathered) == count(single), "max_abs_accuracy_diff": max(diffs, default=None),
-            "accuracy": [gathered["accuracy"], single["accuracy"]],
-            "token_accuracy": [gathered.get("token_accuracy"), single.get("token_accuracy")]}
-
-
 def check_evaluations(runs: list[dict]) -> list[dict]:
     """For each mode, its largest finished run: gathered test metrics vs this process evaluating the saved layers."""
     import torch
 
-    from llm_surgery.train.evaluate import evaluate_run
+    from llm_surgery.train.evaluate import compare_results, evaluate_run
 
     checks = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
@@ -209,7 +190,7 @@ def check_evaluations(runs: list[dict]) -> list[dict]:
         t0 = time.time()
         gathered = json.loads((Path(run["run_dir"]) / "results.json").read_text())["test"]
         check = {"mode": mode, "num_processes": run["num_processes"],
-                 **compare_evaluations(gathered, evaluate_run(run["run_dir"])), "seconds": time.time() - t0}
+                 **compare_results(gathered, evaluate_run(run["run_dir"])), "seconds": time.time() - t0}
         print(f"evaluation check, {mode} x{run['num_processes']}: {check}", flush=True)
         checks.append(check)
         if torch.cuda.is_available():

@@ -146,3 +146,25 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     evalset = EvalSet(accelerator, tokenizer, split, cap_records(splits[split], cfg.max_eval_examples),
                       cfg.eval_batch_size)
     return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
+
+
+def compare_results(gathered: dict, single: dict) -> dict:
+    """Two evaluations of one checkpoint on one split (e.g. gathered over a run's processes, and `evaluate_run`):
+    whether the example counts per number of operations agree, and the largest accuracy difference over overall,
+    IID, OOD and each number of operations (exact match and token accuracy)."""
+    count = lambda r: {str(k): v["num_examples"] for k, v in r["by_num_ops"].items()}
+    pairs = [(gathered, single), (gathered["iid"], single["iid"]), (gathered["ood"], single["ood"])]
+    by_ops = {str(k): v for k, v in single["by_num_ops"].items()}  # keys are strings once read from JSON
+    pairs += [(v, by_ops.get(str(k), {})) for k, v in gathered["by_num_ops"].items()]
+    diffs = []
+    for part in ("accuracy", "token_accuracy"):
+        for a, b in pairs:
+            x, y = a.get(part), b.get(part)
+            if (x is None) != (y is None):  # one evaluation lacks a figure the other has
+                diffs.append(float("inf"))
+            elif x is not None:
+                diffs.append(abs(x - y))
+    return {"num_examples": [gathered["num_examples"], single["num_examples"]],
+            "counts_equal": count(gathered) == count(single), "max_abs_accuracy_diff": max(diffs, default=None),
+            "accuracy": [gathered["accuracy"], single["accuracy"]],
+            "token_accuracy": [gathered.get("token_accuracy"), single.get("token_accuracy")]}
