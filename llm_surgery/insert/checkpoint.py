@@ -30,13 +30,11 @@ def save_inserted(model, directory, full_state_dict: dict | None = None) -> Path
     from llm_surgery import __version__
 
     tensors = {}
-    prefix = {id(m): name for name, m in model.named_modules()}
+    prefix = {id(m): name for name, m in model.named_modules()} if full_state_dict is not None else {}
     for idx, block in inserted_layers(model).items():
-        names = block.state_dict().keys()
-        if full_state_dict is None:
-            local = block.state_dict()
-        else:
-            keys = {n: f"{prefix[id(block)]}.{n}" for n in names}
+        local = block.state_dict()
+        if full_state_dict is not None:
+            keys = {n: f"{prefix[id(block)]}.{n}" for n in local}
             missing = [k for k in keys.values() if k not in full_state_dict]
             if missing:
                 raise ValueError(f"the gathered state dict lacks inserted layer {idx}'s tensors {missing[:3]}")

@@ -126,13 +126,11 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     cfg = TrainConfig(**{**json.loads((run_dir / "config.json").read_text()), "fsdp": False, "resume": None})
     if cfg.random_init_config:
         raise ValueError(f"{run_dir} trained on a random-init host that was never saved; nothing to reload")
-    if accelerator is None:
-        from .trainer import make_accelerator
-        accelerator = make_accelerator(cfg)
+    from .trainer import make_accelerator, use_cuda_kernels
+
+    accelerator = accelerator or make_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
-    if on_cuda and cfg.host_kernels:
-        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
-        use_mamba_kernels_for_hosts()
+    use_cuda_kernels(cfg, accelerator, log=lambda msg: None)  # the run's kernels, as it evaluated with them
     model, tokenizer = load_pretrained(cfg.model or str(tiny_host_dir(cfg)), resolve_dtype(cfg.host_dtype, on_cuda),
                                        accelerator.device)
     load_trained(model, run_dir / "final")

@@ -58,6 +58,19 @@ def make_accelerator(cfg: TrainConfig):
     return accelerator
 
 
+def use_cuda_kernels(cfg: TrainConfig, accelerator, log) -> None:
+    """Process-wide kernel choices of a run on CUDA (idempotent): quick Triton autotuning, mamba-ssm kernels for
+    the host's Mamba2 layers."""
+    if accelerator.device.type != "cuda":
+        return
+    if cfg.quick_autotune:
+        from llm_surgery.triton_autotune import quick_autotune
+        log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
+    if cfg.host_kernels:
+        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
+        log(use_mamba_kernels_for_hosts())
+
+
 def load_host(cfg: TrainConfig, accelerator, log):
     """(model, tokenizer, description) on this process's device."""
     from .host import load_pretrained, pretrain_host, random_init_host, resolve_dtype
@@ -136,12 +149,7 @@ def train(cfg: TrainConfig) -> dict:
         if main:
             print(msg, flush=True)
 
-    if cfg.quick_autotune and accelerator.device.type == "cuda":
-        from llm_surgery.triton_autotune import quick_autotune  # process-wide, idempotent
-        log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
-    if cfg.host_kernels and accelerator.device.type == "cuda":
-        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
-        log(use_mamba_kernels_for_hosts())
+    use_cuda_kernels(cfg, accelerator, log)
 
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
