@@ -33,8 +33,8 @@ from dataclasses import replace
 
 from llm_surgery.bench.state_tracking.__main__ import _mean_se, _run_all
 from llm_surgery.bench.state_tracking.tasks import TABLE1_TASKS
-from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRESETS, TrainConfig, cli_defaults,
-                                                    preset_for, quick_triton_autotune, train)
+from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRESETS, PRESET_TRAINING, TrainConfig,
+                                                    cli_defaults, preset_for, quick_triton_autotune, train)
 
 GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
 # Named pdssm variants for Table 1 (--t1-variants): options over the CLI defaults, compared side by side.
@@ -63,6 +63,14 @@ VARIANTS = {
     # session 7: validation judges an average of the weights (horizon ~1000 steps) instead of the live ones, whose
     # length generalisation swings by tens of points between checks
     "tracking+ema999": dict(ema_decay=0.999, mixer=dict(PDSSM_PRESETS["tracking"])),
+    # session 8: a larger Adam epsilon, so that steps shrink once the loss (and the gradients) are ~0 instead of
+    # moving the weights at the full learning rate on gradient noise
+    "tracking+eps1e-6": dict(adam_eps=1e-6, mixer=dict(PDSSM_PRESETS["tracking"])),
+    "tracking+eps1e-5": dict(adam_eps=1e-5, mixer=dict(PDSSM_PRESETS["tracking"])),
+    "tracking+eps1e-4": dict(adam_eps=1e-4, mixer=dict(PDSSM_PRESETS["tracking"])),
+    # = the "automaton" preset (the CLI default for >= 2 layers since session 8), by name in the sweep
+    "tracking+decay+eps1e-6": dict(adam_eps=1e-6, mixer=dict(PDSSM_PRESETS["tracking"], b_gate="decay",
+                                                              x_init_std=1.0)),
 }
 
 
@@ -163,7 +171,8 @@ def model_name(row: dict) -> str:
         return f"pdssm ({row['config']['name']})"
     mixer = {k: tuple(v) if isinstance(v, list) else v for k, v in row["config"]["mixer"].items()}
     for name, opts in sorted(PDSSM_PRESETS.items(), key=lambda kv: -len(kv[1])):
-        if opts.items() <= mixer.items():
+        training = PRESET_TRAINING.get(name, {})
+        if opts.items() <= mixer.items() and all(row["config"].get(k) == v for k, v in training.items()):
             return "pdssm" if name == preset_for(row["config"]["n_layers"]) else f"pdssm ({name} preset)"
     return "pdssm (other)"
 

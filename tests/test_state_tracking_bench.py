@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from llm_surgery.bench.state_tracking.__main__ import _seeds, main, summarize
+from llm_surgery.bench.state_tracking.__main__ import _seeds, main, parse_args as parse_cli, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
 from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig,
                                                     TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
@@ -141,12 +141,27 @@ def test_weight_decay_reaches_linear_weights_only():
     torch.testing.assert_close(run.model.head.weight, before[1] * 0.9)
 
 
+def test_adam_eps_comes_with_the_automaton_preset_and_reaches_the_optimizer():
+    assert cli_defaults("pdssm", n_layers=2).adam_eps == 1e-6  # the automaton preset's training option
+    assert cli_defaults("pdssm", n_layers=2, adam_eps=1e-7).adam_eps == 1e-7  # an explicit value wins
+    assert cli_defaults("pdssm", preset="tracking", n_layers=2).adam_eps == 1e-8
+    assert cli_defaults("pdssm", n_layers=1).adam_eps == cli_defaults("mamba2").adam_eps == 1e-8
+    run = TrainRun(TrainConfig(task="parity", n_layers=1, d_model=16, adam_eps=1e-5, mixer=dict(num_heads=2)),
+                   0, get_task("parity"), torch.device("cpu"))
+    assert {g["eps"] for g in run.opt.param_groups} == {1e-5}
+    with pytest.raises(ValueError, match="adam_eps"):
+        TrainConfig(adam_eps=0.0)
+    args = parse_cli(["--adam-eps", "3e-6", "--layers", "2"])
+    assert args.adam_eps == 3e-6
+
+
 def test_cli_defaults_per_kind():
     p = cli_defaults("pdssm", task="s3", n_layers=1)
     assert p.mixer == PDSSM_PRESETS["robust"] and p.task == "s3"  # auto: one layer -> robust
     deeper = cli_defaults("pdssm", n_layers=2).mixer
-    assert deeper == PDSSM_PRESETS["tracking"] == cli_defaults("pdssm").mixer  # deeper -> tracking
-    assert deeper["unit_snap"] > 0 and deeper["phase_levels"] == 60 and preset_for(2) == "tracking"
+    assert deeper == PDSSM_PRESETS["automaton"] == cli_defaults("pdssm").mixer  # deeper -> automaton
+    assert deeper["unit_snap"] > 0 and deeper["phase_levels"] == 60 and preset_for(2) == "automaton"
+    assert deeper["b_gate"] == "decay" and deeper["x_init_std"] > 0
     assert cli_defaults("pdssm", preset="robust", n_layers=2, mixer={"conv_kernel": 4}).mixer == {
         **PDSSM_PRESETS["robust"], "conv_kernel": 4}
     assert preset_for(1) == "robust" and preset_for(3, "layer") == "layer"

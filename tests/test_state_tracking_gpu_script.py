@@ -24,7 +24,7 @@ def test_plan_covers_both_issues_with_the_cli_defaults():
     assert all(c.mixer.items() >= default.mixer.items() and c.restarts == default.restarts for c in g)
     assert all(c.d_model == 128 and c.batch_size == 256 and c.lr == 2e-3 for c in cfgs if c.n_layers == 2)
     t1 = [c.mixer for c in cfgs if c.kind == "pdssm" and c.n_layers == 2]  # the default preset's seeds first
-    assert t1[:2 * len(gpu.TABLE1_TASKS)] == [gpu.PDSSM_PRESETS["tracking"]] * 2 * len(gpu.TABLE1_TASKS)
+    assert t1[:2 * len(gpu.TABLE1_TASKS)] == [gpu.PDSSM_PRESETS["automaton"]] * 2 * len(gpu.TABLE1_TASKS)
     assert {} in t1 and gpu.PDSSM_PRESETS["robust"] in t1  # the other presets, for comparison
 
 
@@ -55,7 +55,8 @@ def test_summary_tables(tmp_path):
         for task in gpu.TABLE1_TASKS:
             rows.append({"kind": kind, "task": task, "seed": 0, "acc_mean": 0.5, "acc_max_len": 0.5,
                          "train_loss": 0.1, "steps_run": 10,
-                         "config": {"n_layers": 2, "mixer": gpu.cli_defaults(kind, n_layers=2).mixer}})
+                         "config": {"n_layers": 2, "mixer": gpu.cli_defaults(kind, n_layers=2).mixer,
+                                    "adam_eps": gpu.cli_defaults(kind, n_layers=2).adam_eps}})
     rows.append({"kind": "pdssm", "task": "s3", "seed": 0, "acc_mean": 1.0, "acc_max_len": 1.0, "train_loss": 0.0,
                  "steps_run": 10, "config": {"n_layers": 1, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
     rows.append({**rows[0], "config": {"n_layers": 2, "mixer": dict(gpu.PDSSM_PRESETS["robust"])}})
@@ -65,6 +66,12 @@ def test_summary_tables(tmp_path):
     assert "| pdssm (robust preset) | 50.0 ± 0.0 | — |" in text
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}}}) == "pdssm (layer preset)"
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}, "name": "snap"}}) == "pdssm (snap)"
+    # a row of an earlier sweep: the automaton preset's mixer options without its Adam epsilon, or the tracking
+    # options alone (the default before session 8), is not the default
+    automaton = dict(gpu.PDSSM_PRESETS["automaton"])
+    assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": automaton}}) == "pdssm (tracking preset)"
+    tracking = dict(gpu.PDSSM_PRESETS["tracking"])
+    assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": tracking}}) == "pdssm (tracking preset)"
     assert "selected by validation" not in text
     rows[0] = {**rows[0], "acc_selected_mean": 0.9}  # one run validated: a second table with that run only
     text = gpu.summarize(rows)

@@ -27,6 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--adam-eps", type=float, default=None, help="Adam's epsilon (default: the preset's, else 1e-8)")
     p.add_argument("--curriculum", type=float, default=None,
                    help="fraction of the run over which the longest training length ramps 2 -> 40 "
                         f"(default: {KIND_DEFAULTS} per kind, else 0)")
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
             for seed in _seeds(args.seeds):
                 configs.append(cli_defaults(
                     kind, preset=args.preset, mixer=extra, task=task, n_layers=args.layers, d_model=args.d_model,
-                    steps=args.steps, batch_size=args.batch_size, lr=args.lr, curriculum_frac=args.curriculum,
+                    steps=args.steps, batch_size=args.batch_size, lr=args.lr, adam_eps=args.adam_eps,
+                    curriculum_frac=args.curriculum,
                     curriculum_mode=args.curriculum_mode, curriculum_threshold=args.curriculum_threshold,
                     curriculum_step=args.curriculum_step,
                     tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
