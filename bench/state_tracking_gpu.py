@@ -37,7 +37,8 @@ from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRE
                                                     cli_defaults, preset_for, quick_triton_autotune, train)
 
 GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
-# Named pdssm variants for Table 1 (--t1-variants): options over the CLI defaults, compared side by side.
+# Named pdssm variants for Table 1 (--t1-variants), compared side by side: each is exactly its options over the
+# layer defaults (preset "layer"), as every one of them ran, whatever the CLI default is now.
 VARIANTS = {
     "decay": dict(mixer=dict(b_gate="decay", x_init_std=1.0, decay_range=(1e-4, 1e-3))),
     "snap": dict(mixer=dict(unit_snap=0.01)),
@@ -91,8 +92,9 @@ def plan(args) -> list[TrainConfig]:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         for task in TABLE1_TASKS:
             for seed in range(args.t1_variant_seed_start, args.t1_variant_seed_start + args.t1_variant_seeds):
-                cfgs.append(cli_defaults(task=task, kind="pdssm", seed=seed, n_layers=2, d_model=args.d_model,
-                                         batch_size=args.batch_size, name=name, **VARIANTS[name], **base))
+                cfgs.append(cli_defaults(task=task, kind="pdssm", preset="layer", seed=seed, n_layers=2,
+                                         d_model=args.d_model, batch_size=args.batch_size, name=name,
+                                         **VARIANTS[name], **base))
     for task in GROUP_TASKS:
         for kind, seeds in (("pdssm", args.g_pdssm_seeds), ("mamba2", args.g_other_seeds),
                             ("deltanet", args.g_other_seeds)):

@@ -36,6 +36,14 @@ def test_plan_of_named_variants():
     assert len(cfgs) == 2 * len(gpu.TABLE1_TASKS) and {c.seed for c in cfgs} == {3, 4}
     assert all(c.name == "snap+q10+conv1" and c.mixer["phase_levels"] == 10 and c.mixer["conv_kernel"] == 1
                for c in cfgs)
+    # a variant is its own options over the layer defaults, not over the CLI default of the day
+    for name in ("snap+q60+conv1", "tracking+eps1e-6", "tracking+decay+eps1e-6"):
+        args = gpu.parse_args(["--device", "cpu", "--t1-pdssm-seeds", "0", "--t1-presets", "", "--t1-other-seeds",
+                               "0", "--g-pdssm-seeds", "0", "--g-other-seeds", "0", "--t1-variants", name])
+        c = gpu.plan(args)[0]
+        assert c.mixer == gpu.VARIANTS[name]["mixer"] and c.adam_eps == gpu.VARIANTS[name].get("adam_eps", 1e-8)
+    automaton = gpu.cli_defaults("pdssm", n_layers=2)  # the named form of the automaton preset matches it
+    assert c.mixer == automaton.mixer and c.adam_eps == automaton.adam_eps
     with pytest.raises(SystemExit, match="unknown variant"):
         gpu.plan(gpu.parse_args(["--device", "cpu", "--t1-variants", "nope"]))
 
