@@ -70,8 +70,7 @@ VARIANTS = {
     "tracking+eps1e-5": dict(adam_eps=1e-5, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+eps1e-4": dict(adam_eps=1e-4, mixer=dict(PDSSM_PRESETS["tracking"])),
     # = the "automaton" preset (the CLI default for >= 2 layers since session 8), by name in the sweep
-    "tracking+decay+eps1e-6": dict(adam_eps=1e-6, mixer=dict(PDSSM_PRESETS["tracking"], b_gate="decay",
-                                                              x_init_std=1.0)),
+    "tracking+decay+eps1e-6": dict(PRESET_TRAINING["automaton"], mixer=dict(PDSSM_PRESETS["automaton"])),
 }
 
 

@@ -221,13 +221,12 @@ class TrainRun:
         self.model = build_model(cfg).to(device)
         # a step depends on tau only through kernel arguments, which a captured graph freezes
         self.graphed = cfg.cuda_graphs and device.type == "cuda" and cfg.tau_start == cfg.tau_end
-        if self.graphed:  # optimizer state and learning rate on the GPU, so the graph reads them each replay
-            self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay),
-                                         lr=torch.tensor(cfg.lr, device=device), eps=cfg.adam_eps,
-                                         capturable=True)
+        # graphed: optimizer state and learning rate on the GPU, so the graph reads them at each replay
+        lr = torch.tensor(cfg.lr, device=device) if self.graphed else cfg.lr
+        self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=lr, eps=cfg.adam_eps,
+                                     capturable=self.graphed)
+        if self.graphed:
             self.graphed_step = GraphedTrainStep(self.model, self.opt, cfg.grad_clip)
-        else:
-            self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, eps=cfg.adam_eps)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
         self.adaptive = cfg.curriculum_mode == "adaptive"
         self.cur_len = min(cfg.max_len, cfg.min_len + 1)  # adaptive curriculum: the longest training length now
