@@ -428,6 +428,34 @@ def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
     assert res["test"]["num_examples"] > 0
     weights = load_file(out / "final" / "inserted.safetensors")
     assert {v.dtype for v in weights.values()} <= {torch.float32, torch.complex64}
+    # re-evaluating the artifact (its own process, bf16 like the run: float32 trained layers under autocast)
+    # gives the run's own figures
+    check = ("import json, sys; from llm_surgery.train.evaluate import compare_results, evaluate_run; "
+             "print(json.dumps(compare_results(json.loads(sys.argv[2]), evaluate_run(sys.argv[1]))))")
+    done = subprocess.run([sys.executable, "-c", check, str(out), json.dumps(res["test"])], env=_env(), cwd=REPO,
+                          check=True, capture_output=True, text=True, timeout=300)
+    cmp = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cmp["counts_equal"] and cmp["max_abs_accuracy_diff"] == 0.0, cmp
+
+
+def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
+    """Training and evaluate_run keep exactly the inserted layers in float32 under bf16 autocast (one helper)."""
+    from types import SimpleNamespace
+
+    from llm_surgery.insert import insert_layers, inserted_layers
+    from llm_surgery.train.host import load_pretrained
+    from llm_surgery.train.trainer import mark_trainable, upcast_trainable
+
+    model, _ = load_pretrained(str(tiny_host_dir), torch.bfloat16, torch.device("cpu"))
+    insert_layers(model, "pdssm", 1)
+    model.to(torch.bfloat16)
+    mark_trainable(model)
+    upcast_trainable(model, SimpleNamespace(mixed_precision="no"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    upcast_trainable(model, SimpleNamespace(mixed_precision="bf16"))
+    inserted = {id(p) for block in inserted_layers(model).values() for p in block.parameters()}
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if id(p) in inserted else torch.bfloat16), name
 
 
 @pytest.mark.slow

@@ -126,7 +126,7 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     cfg = TrainConfig(**{**json.loads((run_dir / "config.json").read_text()), "fsdp": False, "resume": None})
     if cfg.random_init_config:
         raise ValueError(f"{run_dir} trained on a random-init host that was never saved; nothing to reload")
-    from .trainer import make_accelerator, use_cuda_kernels
+    from .trainer import make_accelerator, mark_trainable, upcast_trainable, use_cuda_kernels
 
     accelerator = accelerator or make_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
@@ -134,10 +134,8 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     model, tokenizer = load_pretrained(cfg.model or str(tiny_host_dir(cfg)), resolve_dtype(cfg.host_dtype, on_cuda),
                                        accelerator.device)
     load_trained(model, run_dir / "final")
-    if accelerator.mixed_precision in ("bf16", "fp16"):  # as trained: fp32 inserted weights under autocast
-        for name, p in model.named_parameters():
-            if (".pre_ssm." in name or "lora_" in name) and p.is_floating_point():
-                p.data = p.data.float()
+    mark_trainable(model)  # the tensors the run trained, kept in float32 under autocast as it kept them
+    upcast_trainable(model, accelerator)
     model.config.use_cache = False
     model = accelerator.prepare(model)
     splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)

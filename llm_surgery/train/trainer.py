@@ -118,6 +118,15 @@ def mark_trainable(model) -> list[str]:
     return names
 
 
+def upcast_trainable(model, accelerator) -> None:
+    """Under bf16/fp16 mixed precision the trainable tensors are kept in float32 (master weights); autocast does
+    the compute in low precision. Training and a re-evaluation of its artifact run the same way."""
+    if accelerator.mixed_precision in ("bf16", "fp16"):
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point():
+                p.data = p.data.float()
+
+
 def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars)."""
     decay, no_decay = [], []
@@ -170,10 +179,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.lora_r:
         add_lora(model, cfg)
     trainable = mark_trainable(model)
-    if accelerator.mixed_precision in ("bf16", "fp16"):  # fp32 master weights; autocast does the compute
-        for n, p in model.named_parameters():
-            if p.requires_grad and p.is_floating_point():
-                p.data = p.data.float()
+    upcast_trainable(model, accelerator)
     if cfg.tau is not None:
         set_tau(model, cfg.tau)
     if cfg.gradient_checkpointing:
