@@ -32,6 +32,7 @@ from dataclasses import replace
 
 
 from llm_surgery.bench.state_tracking.__main__ import _mean_se, _run_all
+from llm_surgery.bench.state_tracking.resume import run_dir_name
 from llm_surgery.bench.state_tracking.tasks import TABLE1_TASKS
 from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRESETS, PRESET_TRAINING, TrainConfig,
                                                     cli_defaults, preset_for, quick_triton_autotune, train)
@@ -307,6 +308,14 @@ def parse_args(argv=None):
     ap.add_argument("--val-every", type=int, default=500,
                     help="validate every K steps on lengths 40..256 and keep the best weights (0: off); the "
                          "tables report them beside the final weights")
+    ap.add_argument("--run-time", type=float, default=None,
+                    help="training seconds per run, fixed (default: computed from --budget); a run longer than one "
+                         "call: with --checkpoint-dir and --pause-after, the same command continues it")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="resumable runs: a folder per run here (llm_surgery/bench/state_tracking/resume.py)")
+    ap.add_argument("--pause-after", type=float, default=None,
+                    help="with --checkpoint-dir: pause the runs this many seconds after the start (exit status 3 "
+                         "while runs remain paused)")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
@@ -319,6 +328,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.pause_after is not None and not args.checkpoint_dir:
+        raise SystemExit("--pause-after needs --checkpoint-dir (where the paused runs are kept)")
+    if args.checkpoint_dir and not args.val_every:
+        raise SystemExit("--checkpoint-dir needs --val-every > 0 (runs checkpoint at each validation)")
     if args.summarize:
         rows = []
         for path in args.summarize.split(","):
@@ -348,11 +361,21 @@ def main(argv=None) -> int:
     if quick:
         print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
         print(f"warm-up (kernel builds, compiles): {warm_up(args.device, args.d_model):.0f}s", flush=True)
-    cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
+    if args.run_time:  # fixed, so that every call of a resumed sweep builds the same configs
+        cfgs = [replace(c, time_limit_s=args.run_time / (1 + (c.restarts - 1) * c.restart_frac)) for c in cfgs]
+    else:
+        cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
     print(f"per-run training time limit (no restarts): {max(c.time_limit_s for c in cfgs):.0f}s", flush=True)
-    rows = []
+    rows, paused = [], 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for r in _run_all(cfgs, args.jobs, quick_autotune=quick):
+    run_dirs = [os.path.join(args.checkpoint_dir, run_dir_name(c)) for c in cfgs] if args.checkpoint_dir else None
+    deadline = None if args.pause_after is None else start + args.pause_after
+    for r in _run_all(cfgs, args.jobs, quick_autotune=quick, run_dirs=run_dirs, deadline=deadline):
+        if r.get("paused"):
+            paused += 1
+            print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} seed {r['seed']}: paused at step "
+                  f"{r['steps_run']} ({r['train_seconds']}s trained)", flush=True)
+            continue
         rows.append(r)
         print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} L{r['config']['n_layers']} seed {r['seed']}: "
               f"acc 40..256 {100 * r['acc_mean']:.1f}%, at 256 {100 * r['acc_max_len']:.1f}%, "
@@ -361,9 +384,10 @@ def main(argv=None) -> int:
               f"loss {r['train_loss']:.3g} ({r['steps_run']} steps, {r['seconds']}s)", flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(r) + "\n")
-    print(f"\n{len(rows)} of {len(cfgs)} runs in {time.time() - start:.0f}s; results in {args.out}\n")
+    print(f"\n{len(rows)} of {len(cfgs)} runs in {time.time() - start:.0f}s ({paused} paused); results in "
+          f"{args.out}\n")
     print(summarize(rows))
-    return 0 if len(rows) == len(cfgs) else 1
+    return 3 if paused else 0 if len(rows) == len(cfgs) else 1
 
 
 if __name__ == "__main__":

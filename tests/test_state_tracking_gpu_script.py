@@ -136,3 +136,22 @@ def test_state_growth_script_reports_state_norms_per_layer_and_head(monkeypatch,
     for key in ("state_norm_40", "state_norm_256"):  # 2 layers x 4 heads, norms of complex states
         assert len(out[key]) == 2 and all(len(h) == 4 and all(v >= 0 for v in h) for h in out[key])
     assert out["state_norm_40"] != out["state_norm_256"]
+
+
+def test_a_sweep_longer_than_one_call_pauses_and_continues(tmp_path, capsys):
+    """--checkpoint-dir + --pause-after: the first call pauses every run (exit status 3, nothing reported); the
+    same command continues them to their fixed --run-time and reports all; a third call reports them again."""
+    argv = ["--quick", "--device", "cpu", "--jobs", "1", "--t1-pdssm-seeds", "1", "--t1-presets", "",
+            "--t1-other-seeds", "0", "--g-pdssm-seeds", "0", "--g-other-seeds", "0", "--val-every", "2",
+            "--run-time", "1.5", "--checkpoint-dir", str(tmp_path / "ck")]
+    first = tmp_path / "first.jsonl"
+    assert gpu.main(argv + ["--pause-after", "0", "--out", str(first)]) == 3
+    assert capsys.readouterr().out.count("paused at step 1 ") == len(gpu.TABLE1_TASKS) and not first.exists()
+    for name in ("second", "third"):
+        assert gpu.main(argv + ["--out", str(tmp_path / f"{name}.jsonl")]) == 0
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert sorted(r["task"] for r in rows) == sorted(gpu.TABLE1_TASKS)
+        assert all(r["train_seconds"] >= 1.5 and r["config"]["time_limit_s"] == 1.5 for r in rows)
+    assert (tmp_path / "second.jsonl").read_text() == (tmp_path / "third.jsonl").read_text()
+    with pytest.raises(SystemExit, match="needs --checkpoint-dir"):
+        gpu.main(["--pause-after", "5"])

@@ -18,9 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 REQUIRED = ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "state.json")
@@ -74,6 +71,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def publish(tmp: Path, final: Path, keep_last: int) -> None:
+    """Make a fully written temporary directory the checkpoint `final` (fsync, then rename: a crash leaves either
+    the old checkpoints or the new one, never half of one) and keep the newest `keep_last` of its folder."""
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    for old in list_checkpoints(final.parent)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
     """Finished checkpoints (temporary directories excluded), oldest first."""
     root = Path(ckpt_root)
@@ -109,6 +118,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def save_checkpoint(accelerator, ckpt_root: str | os.PathLike, step: int, model, optimizer, scheduler,
                     data_state: dict, keep_last: int, extra: dict | None = None) -> Path:
     """Collective: every rank must call it. Returns the final directory."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)  # (0.5 s to import)
     root = Path(ckpt_root)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
@@ -131,13 +142,7 @@ def save_checkpoint(accelerator, ckpt_root: str | os.PathLike, step: int, model,
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, final, keep_last)
     accelerator.wait_for_everyone()
     return final
 
@@ -159,6 +164,8 @@ def read_state(path: Path) -> dict:
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler and this rank's RNG; returns state.json (step, data position)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     state = read_state(path)
     if state.get("world_size") != accelerator.num_processes:
         raise CheckpointError(f"checkpoint {path} was written by {state.get('world_size')} processes, this run has "

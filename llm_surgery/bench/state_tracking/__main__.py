@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import time
 
+from .resume import run_dir_name
 from .tasks import TABLE1_TASKS, TASKS
 from .train import (DEFAULT_PRESET, KIND_DEFAULTS, PDSSM_PRESETS, ROBUST_PDSSM, cli_defaults, quick_triton_autotune,
                     train, train_one_thread)
@@ -60,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-lengths", default="40:257:24", help="start:stop:step or a comma list")
     p.add_argument("--eval-batch", type=int, default=256)
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (subprocesses, one torch thread each)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="make the runs resumable: one folder per run here, a checkpoint at every validation; the "
+                        "same command again continues paused or killed runs exactly and reports finished ones")
+    p.add_argument("--pause-after", type=float, default=None,
+                   help="with --checkpoint-dir: pause every run this many seconds after the start (checkpointed; "
+                        "exit status 3 while runs remain paused)")
     return p.parse_args(argv)
 
 
@@ -121,9 +130,19 @@ def main(argv=None) -> int:
                     time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
                     eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch,
                     cuda_graphs=False if args.no_cuda_graphs else None))
-    rows = []
+    if args.pause_after is not None and not args.checkpoint_dir:
+        raise SystemExit("--pause-after needs --checkpoint-dir (where the paused runs are kept)")
+    rows, paused = [], []
     quick = args.device.startswith("cuda") and not args.full_autotune
-    for r in _run_all(configs, args.jobs, quick_autotune=quick):
+    run_dirs = ([os.path.join(args.checkpoint_dir, run_dir_name(c)) for c in configs] if args.checkpoint_dir
+                else None)
+    deadline = None if args.pause_after is None else time.time() + args.pause_after
+    for r in _run_all(configs, args.jobs, quick_autotune=quick, run_dirs=run_dirs, deadline=deadline):
+        if r.get("paused"):
+            paused.append(r)
+            print(f"{r['kind']} {r['task']} seed {r['seed']}: paused at step {r['steps_run']} in {r['run_dir']}",
+                  flush=True)
+            continue
         rows.append(r)
         sel = (f", validation-selected {100 * r['acc_selected_mean']:.1f}% (step {r['val_best_step']})"
                if "acc_selected_mean" in r else "")
@@ -134,22 +153,28 @@ def main(argv=None) -> int:
             with open(args.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
     print(summarize(rows))
+    if paused:
+        print(f"{len(paused)} runs paused: the same command continues them")
+        return 3
     return 0
 
 
-def _run_all(configs, jobs: int, quick_autotune: bool = False):
-    """Yield results as runs finish; with jobs > 1 in a process pool (spawned: safe with CUDA)."""
+def _run_all(configs, jobs: int, quick_autotune: bool = False, run_dirs=None, deadline: float | None = None):
+    """Yield results as runs finish (or pause: resume.py); with jobs > 1 in a process pool (spawned: safe with
+    CUDA). `run_dirs`: one checkpoint folder per config (resumable runs)."""
     if quick_autotune:
         quick_triton_autotune()
+    run_dirs = run_dirs or [None] * len(configs)
     if jobs <= 1:
-        for cfg in configs:
-            yield train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        for cfg, run_dir in zip(configs, run_dirs):
+            yield train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True), run_dir=run_dir,
+                        deadline=deadline)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
     init = quick_triton_autotune if quick_autotune else None
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=init) as pool:
-        futures = [pool.submit(train_one_thread, cfg) for cfg in configs]
+        futures = [pool.submit(train_one_thread, cfg, run_dir, deadline) for cfg, run_dir in zip(configs, run_dirs)]
         for fut in as_completed(futures):
             try:
                 yield fut.result()

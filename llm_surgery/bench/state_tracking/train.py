@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ...layers.flash_pdssm import tau_schedule
 from .graphed_step import GraphedTrainStep, optimizer_step
 from .model import StateTracker
+from .resume import config_dict, load_result, load_run, save_result, save_run
 from .tasks import get_task
 
 # Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
@@ -228,6 +229,9 @@ class TrainRun:
         if self.graphed:
             self.graphed_step = GraphedTrainStep(self.model, self.opt, cfg.grad_clip)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
+        self.paused = False  # advance stopped at its deadline (resume.py continues the run)
+        self.run_dir = None  # set: a checkpoint after every validation (resume.save_run)
+        self.pending: list[torch.Tensor] = []  # losses of recent steps not read back yet
         self.adaptive = cfg.curriculum_mode == "adaptive"
         self.cur_len = min(cfg.max_len, cfg.min_len + 1)  # adaptive curriculum: the longest training length now
         self.probe_gen = torch.Generator().manual_seed(seed + 12_345)  # its checks do not shift the data stream
@@ -263,26 +267,32 @@ class TrainRun:
             else:
                 group["lr"] = lr
 
-    def advance(self, until: float, log=None) -> None:
-        """Train until progress >= `until` (or early stop). Losses are read back every 25 steps only: one
-        device sync per step would serialise the many small runs that share a GPU."""
-        cfg, model, pending = self.cfg, self.model, []
+    def read_losses(self) -> None:
+        if self.pending:
+            self.losses = (self.losses + torch.stack(self.pending).tolist())[-50:]
+            self.pending.clear()
+
+    def advance(self, until: float, log=None, deadline: float | None = None) -> None:
+        """Train until progress >= `until` (or early stop), or pause once past the wall-clock `deadline` (after one
+        step at least). Losses are read back every 25 steps only: one device sync per step would serialise the many
+        small runs that share a GPU."""
+        cfg, model = self.cfg, self.model
         t0 = time.time() - self.seconds
+        self.paused = False
         while not self.done and self.frac() < until:
             frac = self.frac()
             self.set_lr(lr_at(frac, cfg))
             if cfg.tau_start != cfg.tau_end:
                 model.set_tau(tau_schedule(frac, 1.0, cfg.tau_start, cfg.tau_end))
             tokens, labels = self.task.batch(cfg.batch_size, cfg.min_len, self.max_len(), self.gen)
-            pending.append(self.train_step(tokens, labels))
+            self.pending.append(self.train_step(tokens, labels))
             if self.ema is not None:  # outside the captured graph: one fused update of all averages
                 with torch.no_grad():
                     torch._foreach_lerp_(self.ema, self.params, 1.0 - cfg.ema_decay)
             self.step += 1
             self.seconds = time.time() - t0
-            if len(pending) == 25:
-                self.losses = (self.losses + torch.stack(pending).tolist())[-50:]
-                pending = []
+            if len(self.pending) == 25:
+                self.read_losses()
             if self.adaptive and self.step % ADAPT_EVERY == 0:
                 self.adapt()
             if cfg.eval_every and self.step % cfg.eval_every == 0:
@@ -293,8 +303,13 @@ class TrainRun:
                         f"({self.seconds:.0f}s)")
                 self.done = min(acc.values()) >= cfg.stop_acc
             self.done = self.done or self.step >= cfg.steps or (cfg.time_limit_s and self.seconds >= cfg.time_limit_s)
-        if pending:
-            self.losses = (self.losses + torch.stack(pending).tolist())[-50:]
+            if self.run_dir and cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.read_losses()
+                save_run(self, self.run_dir)
+            if deadline is not None and not self.done and time.time() >= deadline:
+                self.paused = True  # (after a step: every call makes progress)
+                break
+        self.read_losses()
 
     @torch.no_grad()
     def validate(self) -> dict[int, float]:
@@ -348,13 +363,25 @@ def candidate_seed(seed: int, r: int) -> int:
     return seed if r == 0 else seed + 1_000_003 * r
 
 
-def train(cfg: TrainConfig, log=None) -> dict:
+def train(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline: float | None = None) -> dict:
     """Train from `cfg.seed` and return a results dict (config, final loss, accuracy per eval length).
 
     With `cfg.restarts = R > 1`, R candidates (seeds `candidate_seed(seed, r)`) each train the first
     `restart_frac` of the run; the one with the lowest training-distribution loss continues to the end.
     Under a time limit every candidate has its own clock, so the training time is at most
-    time_limit_s * (1 + (R - 1) * restart_frac)."""
+    time_limit_s * (1 + (R - 1) * restart_frac).
+
+    With `run_dir` the run is resumable (resume.py): it continues from the checkpoint there, writes one after
+    every validation, and at the wall-clock `deadline` (time.time() seconds) it saves and returns
+    {"paused": True, ...} instead of results; a finished run's results are kept there and returned again."""
+    if run_dir is not None:
+        if cfg.restarts > 1:
+            raise ValueError("a resumable run (run_dir) needs restarts == 1")
+        if not cfg.eval_every:
+            raise ValueError("a resumable run (run_dir) needs eval_every > 0: it checkpoints at each validation")
+        done = load_result(cfg, run_dir)
+        if done is not None:
+            return done
     task = get_task(cfg.task)
     device = torch.device(cfg.device)
     t_start = time.time()
@@ -371,7 +398,16 @@ def train(cfg: TrainConfig, log=None) -> dict:
             best = run  # only the best candidate so far is kept
         del run
     run = best
-    run.advance(1.0, log)
+    if run_dir is not None:
+        run.run_dir = run_dir
+        if load_run(run, run_dir) and log:
+            log(f"{cfg.task} {cfg.kind} seed {cfg.seed}: resumed at step {run.step} from {run_dir}")
+    run.advance(1.0, log, deadline)
+    if run_dir is not None:
+        save_run(run, run_dir)  # paused, or the final weights (the evaluation below loads the selected ones)
+    if run.paused:
+        return {"paused": True, "task": cfg.task, "kind": cfg.kind, "seed": cfg.seed, "steps_run": run.step,
+                "train_seconds": round(run.seconds, 1), "run_dir": str(run_dir)}
     acc = evaluate(run.model, task, cfg.eval_lengths, cfg.eval_batch, held_out_generator(cfg.seed), device)
     selected = {}
     if run.best_state is not None:  # validation-selected weights, on the same test sequences
@@ -384,16 +420,18 @@ def train(cfg: TrainConfig, log=None) -> dict:
         selected = {"acc_selected_mean": sum(sel.values()) / len(sel),
                     "acc_selected": {str(k): v for k, v in sel.items()},
                     "val_best": run.best_val, "val_best_step": run.best_step, "val_curve": run.val_curve}
-    return {
+    result = {
         "task": cfg.task, "kind": cfg.kind, "seed": cfg.seed, "steps_run": run.step,
         "train_loss": run.train_loss(), "train_max_len": run.max_len(), "acc_mean": sum(acc.values()) / len(acc),
         "acc_max_len": acc[max(acc)], "acc": {str(k): v for k, v in acc.items()},
         "chosen_seed": run.seed, "restart_losses": sel_losses,
         "graphed": run.graphed and run.graphed_step.failed is None,
-        "seconds": round(time.time() - t_start, 1), "params": sum(p.numel() for p in run.model.parameters()),
-        **selected,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "seconds": round(time.time() - t_start, 1), "train_seconds": round(run.seconds, 1),
+        "params": sum(p.numel() for p in run.model.parameters()), **selected, "config": config_dict(cfg),
     }
+    if run_dir is not None:
+        save_result(result, run_dir)
+    return result
 
 
 def quick_triton_autotune() -> bool:
@@ -403,7 +441,7 @@ def quick_triton_autotune() -> bool:
     return quick_autotune()
 
 
-def train_one_thread(cfg: TrainConfig) -> dict:
+def train_one_thread(cfg: TrainConfig, run_dir: str | None = None, deadline: float | None = None) -> dict:
     """`train` with one torch thread: the worker of parallel sweeps (`--jobs`)."""
     torch.set_num_threads(1)
-    return train(cfg)
+    return train(cfg, run_dir=run_dir, deadline=deadline)
