@@ -84,7 +84,7 @@ def plan(args) -> list[TrainConfig]:
     t1 += [("mamba2", None, args.t1_other_seeds), ("deltanet", None, args.t1_other_seeds)]
     for kind, preset, seeds in t1:
         for task in TABLE1_TASKS:
-            for seed in range(seeds):
+            for seed in range(args.t1_seed_start, args.t1_seed_start + seeds):
                 cfgs.append(cli_defaults(task=task, kind=kind, preset=preset, seed=seed, n_layers=2,
                                          d_model=args.d_model, batch_size=args.batch_size, **base))
     for name in (v for v in args.t1_variants.split(",") if v):
@@ -297,6 +297,7 @@ def parse_args(argv=None):
                          "memory, 24 with 256 did not)")
     ap.add_argument("--t1-pdssm-seeds", type=int, default=2)
     ap.add_argument("--t1-other-seeds", type=int, default=1)
+    ap.add_argument("--t1-seed-start", type=int, default=0, help="first seed of the Table 1 runs (not variants)")
     ap.add_argument("--t1-presets", default=",".join(p for p in sorted(PDSSM_PRESETS) if p != preset_for(2)),
                     help="other pdssm presets to compare in Table 1 (comma list; '' for none)")
     ap.add_argument("--t1-preset-seeds", type=int, default=2)
