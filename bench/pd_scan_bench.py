@@ -126,7 +126,7 @@ def run_kind(kind, P, D, b, x0, g, chunk, algo="auto"):
     return (x, cx(gDr, gDi), cx(gbr, gbi), gx0.to(torch.complex128)), (cx(Dr, Di), cx(br, bi), x, cx(gr, gi))
 
 
-def check(quick):
+def check(quick, extra_algos=()):
     dev = "cuda"
     gen = torch.Generator(device=dev)
     gen.manual_seed(1234)
@@ -155,6 +155,8 @@ def check(quick):
     for N in (1, 31, 33, 100, 200, 255):   # partial warps of the warp kernel
         cases.append((257, N, "c64", "random", None))
         cases.append((257, N, "split_bf16", "collide" if N > 1 else "random", 8))
+    for algo in extra_algos:   # every case above once more through this forward kernel (any N <= 1024)
+        cases += [c[:5] + (algo,) for c in cases if len(c) == 5]
     say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
     say("| L | N | kind | P | chunk | fwd kernel | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -163,7 +165,7 @@ def check(quick):
     for case in cases:
         L, N, kind, pm, ch = case[:5]
         algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
-        fk = "block" if algo == "block" or N > 256 else "warp"
+        fk = algo if algo in ("block", "gather") else ("block" if N > 256 else "warp")
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
@@ -329,7 +331,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,fwd-block,bwd,algo,sweep,prof,base")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,fwd-block,fwd-gather,bwd,"
+                    "algo,sweep,prof,b192,base")
+    ap.add_argument("--check-algos", default="gather",
+                    help="forward kernels that run every correctness case once more (comma list; '' for none)")
+    ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     os.makedirs(args.out, exist_ok=True)
@@ -344,7 +350,7 @@ def main():
     if not ok:
         sys.exit(1)
     if "check" not in skip:
-        rows, bad = check(args.quick)
+        rows, bad = check(args.quick, [a for a in args.check_algos.split(",") if a])
         res["check"] = rows
     bw = d2d_bandwidth()
     res["d2d_TBps"] = bw
@@ -352,7 +358,7 @@ def main():
     S, N = 32, 128
     Ls = [128, 512, 2048, 8192, 16384]
     kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
-    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("bwd", "auto")):
+    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
             continue
         key = which if algo in ("auto", "warp") else f"{which}-{algo}"
@@ -368,40 +374,45 @@ def main():
                 cells.append(f"{ms:.4f} ms, {tbs:.2f} ({100 * tbs / bw:.0f}%)")
             say(f"| {kind} | " + " | ".join(cells) + " |")
     if "algo" not in skip:
-        say("\n## warp vs block forward kernel at layer-like shapes (complex64, default chunk): ms")
-        say("| sequences | L | N | warp | block | block / warp |")
-        say("|---|---|---|---|---|---|")
-        for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128), (32, 4096, 256),
-                           (2048, 2048, 16)):
-            w = time_kind("c64", S_, L_, N_, which="fwd", algo="warp")[0]
-            bl = time_kind("c64", S_, L_, N_, which="fwd", algo="block")[0]
-            res[f"algo/{S_}/{L_}/{N_}"] = dict(warp=w, block=bl)
-            say(f"| {S_} | {L_} | {N_} | {w:.4f} | {bl:.4f} | {bl / w:.2f} |")
+        say("\n## forward kernels at layer-like shapes (default chunk): ms")
+        say("| kind | sequences | L | N | warp | block | gather | fastest |")
+        say("|---|---|---|---|---|---|---|---|")
+        for kind in ("c64", "split_bf16"):
+            for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128),
+                               (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512)):
+                t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a != "warp" or N_ <= 256
+                         else float("nan")) for a in ("warp", "block", "gather")}
+                res[f"algo/{kind}/{S_}/{L_}/{N_}"] = t
+                best = min((v, a) for a, v in t.items() if v == v)[1]
+                say(f"| {kind} | {S_} | {L_} | {N_} | " + " | ".join(f"{t[a]:.4f}" for a in t) + f" | {best} |")
     if "sweep" not in skip:
-        say("\n## chunk sweep of the warp forward kernel (B=32, N=128): ms (fraction of D2D)")
-        say("| kind | L | dir | " + " | ".join(f"T={T}" for T in (16, 32, 64, 128, 256, 512)) + " |")
-        say("|---|---|---|" + "---|" * 6)
+        Ts = (16, 32, 64, 128, 256, 512) if args.sweep_algo == "warp" else (2, 4, 8, 16, 32, 64)
+        say(f"\n## chunk sweep of the {args.sweep_algo} forward kernel (B=32, N=128): ms (fraction of D2D)")
+        say("| kind | L | dir | " + " | ".join(f"T={T}" for T in Ts) + " |")
+        say("|---|---|---|" + "---|" * len(Ts))
         for kind in ("split_f32", "split_bf16", "c64", "f32"):
             for L in (2048, 16384):
                 for which in ("fwd",):
                     cells = []
-                    for T in (16, 32, 64, 128, 256, 512):
+                    for T in Ts:
                         try:
-                            ms, tbs, _ = time_kind(kind, S, L, N, chunk=T, which=which, algo="warp")
+                            ms, tbs, _ = time_kind(kind, S, L, N, chunk=T, which=which, algo=args.sweep_algo)
                             cells.append(f"{ms:.4f} ({100 * tbs / bw:.0f}%)")
                         except Exception as e:
                             cells.append(f"err {type(e).__name__}")
                     say(f"| {kind} | {L} | {which} | " + " | ".join(cells) + " |")
     if "prof" not in skip:
-        say("\n## warp forward kernel anatomy (clock64 cycles per block = one warp, means; B=32, N=128)")
-        say("| kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
-        say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for kind in ("split_f32", "split_bf16"):
-            for L, T in ((2048, None), (16384, None), (16384, 64), (16384, 512)):
+        say("\n## forward kernel anatomy (clock64 cycles per block, means; B=32, N=128)")
+        say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64") for L in (2048, 16384)] + \
+                                [("gather", k, L, T) for k in ("split_f32", "c64", "split_bf16")
+                                 for L, T in ((2048, None), (16384, None), (16384, 8))]:
+            if True:
                 s = inputs_for(kind, S, L, N, 1)[0]
-                fwd_fn(kind, s, T, "warp")()
+                fwd_fn(kind, s, T, algo)()
                 K._state["profile"] = True
-                fwd_fn(kind, s, T, "warp")()
+                fwd_fn(kind, s, T, algo)()
                 torch.cuda.synchronize()
                 K._state["profile"] = False
                 pr, _, C, TT = K._state.pop("last_profile")
@@ -416,11 +427,27 @@ def main():
                     blk = pr[pr[:, 7] == sm]
                     for t0 in blk[:, 0][::7]:
                         alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
-                say(f"| {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
+                say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
                     f"{f(pr[:, 1] - pr[:, 0])} | {f((pr[:, 2] - pr[:, 1])[slow])} | {f((pr[:, 3] - pr[:, 2])[slow])} | "
                     f"{f((pr[:, 4] - pr[:, 3])[slow])} | {f(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))} | {f(life)} | "
                     f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
                 del s
+    if "b192" not in skip:
+        say("\n## the paper's bandwidth setting: B=192, N=128, forward. Must-move fraction of D2D, and the paper's "
+            "'algorithmic' bandwidth (inputs counted twice, as its three-kernel design streams them) as a fraction "
+            "of D2D")
+        say("| kind | L | kernel | ms | must-move TB/s | of D2D | algorithmic TB/s | of D2D |")
+        say("|---|---|---|---|---|---|---|---|")
+        for kind in ("split_f32", "split_bf16"):
+            e = ELEM[kind]
+            for L in (1024, 4096, 16384):
+                for algo in ("warp", "gather"):
+                    ms, tbs, _ = time_kind(kind, 192, L, N, which="fwd", algo=algo)
+                    alg = tbs * (2 * (2 + 2 * e) + e) / (2 + 3 * e)
+                    res[f"b192/{kind}/{L}/{algo}"] = dict(ms=ms, TBps=tbs, frac=tbs / bw, alg_TBps=alg)
+                    say(f"| {kind} | {L} | {algo} | {ms:.4f} | {tbs:.2f} | {100 * tbs / bw:.0f}% | {alg:.2f} | "
+                        f"{100 * alg / bw:.0f}% |")
+                    torch.cuda.empty_cache()
     if "base" not in skip:
         say("\n## PyTorch baselines, complex64, B=32, N=128 (fwd ms; speedup of the c64 / split kernels)")
         mode = "associative_scan"
@@ -431,8 +458,8 @@ def main():
             mode = "hillis_steele"
         say(f"baseline: {mode}")
         say("| L | baseline ms | rel err vs kernel | c64 warp kernel ms | speedup | c64 block kernel ms | speedup | "
-            "split_f32 speedup (warp) | split_bf16 speedup (warp) |")
-        say("|---|---|---|---|---|---|---|---|---|")
+            "c64 gather kernel ms | speedup | split_f32 speedup (warp) | split_bf16 speedup (warp) |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|")
         for L in Ls:
             try:
                 ms, err = baseline(S, L, N, mode)
@@ -444,8 +471,9 @@ def main():
             k2 = res.get(f"fwd/split_bf16/{L}", {}).get("ms", float("nan"))
             res[f"base/{L}"] = dict(ms=ms, err=err, mode=mode)
             kb = res.get(f"fwd-block/c64/{L}", {}).get("ms", float("nan"))
+            kg = res.get(f"fwd-gather/c64/{L}", {}).get("ms", float("nan"))
             say(f"| {L} | {ms:.3f} | {err:.1e} | {kc:.4f} | {ms / kc:.0f}x | {kb:.4f} | {ms / kb:.0f}x | "
-                f"{ms / k1:.0f}x | {ms / k2:.0f}x |")
+                f"{kg:.4f} | {ms / kg:.0f}x | {ms / k1:.0f}x | {ms / k2:.0f}x |")
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "pd_scan_bench.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -1,7 +1,9 @@
-"""One forward and one backward launch (split fp32, B=32, N=128) for Nsight Compute:
+"""Forward launches of the pd_scan kernels (B=32, N=128) for Nsight Compute: the DRAM bytes each kernel really
+moves against the must-move bytes (inputs once, outputs once).
 
-    PYTHONPATH=. ncu --kernel-name regex:pd_ --launch-skip 2 --launch-count 2 --section SpeedOfLight \
-        --section WarpStateStats --section InstructionStats --section SchedulerStats python bench/pd_scan_ncu.py
+    PYTHONPATH=. ncu --kernel-name regex:pd_fwd --launch-skip 1 --launch-count 1 \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python bench/pd_scan_ncu.py [L] [split_f32|split_bf16|c64] [warp|block|gather|auto]
 """
 import sys
 
@@ -10,12 +12,21 @@ import torch
 from llm_surgery.ops.pd_scan import cuda as K
 
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+kind = sys.argv[2] if len(sys.argv) > 2 else "split_f32"
+algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 S, N = 32, 128
 P = torch.randint(0, N, (S, L, N), device="cuda", dtype=torch.int16)
 D = torch.polar(0.3 + 0.65 * torch.rand(S, L, N, device="cuda"), 6.283 * torch.rand(S, L, N, device="cuda"))
-Dr, Di = D.real.contiguous(), D.imag.contiguous()
-br, bi = torch.randn(S, L, N, device="cuda"), torch.randn(S, L, N, device="cuda")
-for _ in range(2):   # warm-up (build, first launches) then the profiled pair
-    xr, xi = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi)
-    K.pd_scan_bwd_cuda_split(P, Dr, Di, None, xr, xi, br, bi)
+b = torch.randn(S, L, N, device="cuda", dtype=torch.complex64)
+if kind == "c64":
+    run = lambda: K.pd_scan_fwd_cuda(P, D, b, algo=algo)
+    must = S * L * N * (2 + 3 * 8)
+else:
+    dt = torch.float32 if kind == "split_f32" else torch.bfloat16
+    Dr, Di, br, bi = (t.to(dt).contiguous() for t in (D.real, D.imag, b.real, b.imag))
+    run = lambda: K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, algo=algo)
+    must = S * L * N * (2 + 3 * 2 * dt.itemsize)
+for _ in range(2):   # warm-up (build, first launch) then the profiled launch
+    run()
 torch.cuda.synchronize()
+print(f"must-move bytes of the forward: {must} ({kind}, L={L}, algo={algo})")

@@ -109,10 +109,14 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 32, 16384, 128, False) == 2    # long sequences: the warp kernel
     assert cuda._algo_code("auto", 512, 1024, 32, False) == 2     # many sequences
     assert cuda._algo_code("auto", 32, 4096, 256, False) == 2     # large state
-    assert cuda._algo_code("auto", 32, 8192, 128, False) == 1     # too few warps: the block kernel
-    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 1   # bf16 inputs: block
-    assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # warp kernel stops at N=256
+    assert cuda._algo_code("auto", 64, 4096, 128, False) == 2     # 2^18 sequence-steps over >= 64 sequences
+    assert cuda._algo_code("auto", 32, 8192, 128, False) == 3     # too few warps: the gather kernel
+    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 3   # bf16 inputs, N >= 128: gather
+    assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block
+    assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # ... unless tiny and many
+    assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
     assert cuda._algo_code("block", 512, 4096, 32, False) == 1
+    assert cuda._algo_code("gather", 32, 100, 1000, False) == 3   # the gather-list kernel takes any N <= 1024
     with pytest.raises(ValueError, match="N <= 256"):
         cuda._algo_code("warp", 1, 10, 300, False)
     with pytest.raises(ValueError, match="algo must be one of"):
@@ -130,7 +134,7 @@ def test_cuda_default_chunk_without_a_gpu():
         def smem_bytes(self, kind, bf16, N, T, bwd, algo):
             return self.per * N * T
 
-    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
+    warp, block, gather = cuda._ALGOS["warp"], cuda._ALGOS["block"], cuda._ALGOS["gather"]
 
     def chunk(S, L, N, algo, bwd=False, per=20):
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
@@ -142,3 +146,6 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB
     assert chunk(32, 16384, 128, warp, bwd=True) == 16   # the backward has one (block) kernel
+    assert chunk(32, 16384, 128, gather, per=25) == 16      # gather kernel: 16 within 56 KB ...
+    assert chunk(32, 16384, 128, gather, per=60) == 4       # ... halved until it fits
+    assert chunk(32, 128, 128, gather) == 4                 # and until there are >= 4 blocks per SM

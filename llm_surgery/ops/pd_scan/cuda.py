@@ -19,9 +19,9 @@ All arithmetic is float32 (complex as pairs of float32); P is read as int16 (oth
 float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
-N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: "warp" for float32
-and complex64 inputs with N <= 256 when sequences * L >= 2**19 or N = 256, where it measured 1.2-2.1x faster on
-the H200, else "block"; docs/bench/kernels.md).
+N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), "gather" (one block per chunk like
+"block", the scatter done as a gather over lists sorted once per chunk, any N <= 1024), or "auto" (default: the
+kernel that measured fastest on the H200 at that size, `_algo_code`; docs/bench/kernels.md).
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
 """
@@ -41,7 +41,7 @@ __all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
-_HEADERS = ("pd_scan.cuh",)
+_HEADERS = ("pd_scan.cuh", "pd_scan_gather.cuh")
 _MAX_N = 1024
 _REAL, _SPLIT, _CPLX = 0, 1, 2
 
@@ -161,19 +161,23 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"auto": 0, "block": 1, "warp": 2}
+_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3}
 
 
 def _algo_code(algo, S, L, N, bwd, bf16=False):
-    """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
+    """The forward kernel to launch (1 block, 2 warp, 3 gather); the backward has one kernel (code ignored)."""
     if algo not in _ALGOS:
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
-    if algo == "auto":   # measured on the H200 (docs/bench/kernels.md): the warp kernel needs enough
-        # sequence-steps to fill the GPU with warps, or a state large enough to slow the block kernel's barrier;
-        # with bf16 inputs it never won
-        return 2 if not bf16 and N <= 256 and (S * L >= 1 << 19 or N >= 256) else 1
+    if algo == "auto":   # the fastest kernel at every shape measured on the H200 (docs/bench/kernels.md):
+        # the warp kernel when there are enough sequence-steps to fill the GPU with warps; the gather kernel
+        # (staged chunk, reads the inputs once) for fewer; the block kernel for N > 256 and small bf16 states
+        if N > 256:
+            return 1
+        if bf16:
+            return 3 if N >= 128 else (2 if N < 32 and S * L >= 1 << 19 else 1)
+        return 2 if S * L >= 1 << 19 or N >= 256 or (S >= 64 and S * L >= 1 << 18) else 3
     return _ALGOS[algo]
 
 
@@ -182,6 +186,11 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     memory and >= 4 blocks per SM. Warp kernel (one warp per block, shared memory independent of the chunk):
     about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk sweep in
     docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
+    if not bwd and algo == _ALGOS["gather"]:   # staged like the block kernel, plus O(T N) int16 lists
+        T = 16
+        while T > 1 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 56 * 1024 or S * -(-L // T) < 4 * sms):
+            T //= 2
+        return T
     if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
@@ -205,7 +214,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
     counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
-    agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
+    agg_pi = torch.empty(S * C * (N + 1), dtype=torch.int32, device=device)   # gather kernel: int16 lists
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
