@@ -14,7 +14,9 @@
 //   3. replays the chunk from the entering state out of shared memory and writes the outputs.
 // Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
 // A second forward, pd_fwd_warp_kernel (one warp per chunk, the scatter done as a gather over per-step lists,
-// O(N) shared memory), runs the same three phases; cuda.py picks between the two by size (docs/bench/kernels.md).
+// O(N) shared memory), runs the same three phases; a third, pd_fwd_gather_kernel (pd_scan_gather.cuh: this
+// kernel's staging with the scatter done as a gather over per-step lists sorted once per chunk), too; cuda.py
+// picks among them by size (docs/bench/kernels.md).
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
