@@ -338,6 +338,26 @@ __device__ __forceinline__ void prof_staged(long long* prof) {
   prof[7] = smid;
 }
 
+// Stage `count` elements of one logical array (its re plane, and its im plane for SPLIT) from element `row` on
+// into shared memory at dst (planes plane_bytes apart).
+template <int K, typename In>
+__device__ __forceinline__ void stage_array(unsigned char* dst, int plane_bytes, const void* re, const void* im,
+                                            size_t row, int count, uint64_t* bar, unsigned& tx) {
+  using R = Arr<K, In>;
+  const int nb = count * R::esize;
+  stage_copy(dst, static_cast<const unsigned char*>(re) + row * R::esize, nb, bar, tx);
+  if constexpr (K == SPLIT)
+    stage_copy(dst + plane_bytes, static_cast<const unsigned char*>(im) + row * R::esize, nb, bar, tx);
+}
+
+// Entry m of the state entering chunk c of sequence q, once chunk c - 1 has published its inclusive state
+// (chunk 0: x0, or zero without one).
+template <typename A>
+__device__ __forceinline__ A entering_state(const ScanArgs& a, int q, int c, int m) {
+  if (c == 0) return a.x0 ? static_cast<const A*>(a.x0)[static_cast<size_t>(q) * a.N + m] : zero_v<A>();
+  return ldcg_v(static_cast<const A*>(a.incl) + (static_cast<size_t>(q) * a.C + c - 1) * a.N + m);
+}
+
 // ---------------------------------------------------------------- forward
 template <int K, typename In, int WPW>
 __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs a) {
@@ -375,14 +395,9 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   const int pstride = plane_bytes / R::esize;   // elements between planes in shared memory
 
   {
-    const int nb = Tc * N * R::esize;
     unsigned tx = 0;
-    stage_copy(sD, static_cast<const unsigned char*>(a.a0_re) + row0 * R::esize, nb, &s_bar, tx);
-    stage_copy(sB, static_cast<const unsigned char*>(a.a1_re) + row0 * R::esize, nb, &s_bar, tx);
-    if constexpr (K == SPLIT) {
-      stage_copy(sD + plane_bytes, static_cast<const unsigned char*>(a.a0_im) + row0 * R::esize, nb, &s_bar, tx);
-      stage_copy(sB + plane_bytes, static_cast<const unsigned char*>(a.a1_im) + row0 * R::esize, nb, &s_bar, tx);
-    }
+    stage_array<K, In>(sD, plane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, In>(sB, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
@@ -400,15 +415,10 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   A* agg_d = static_cast<A*>(a.agg_d);
   A* agg_v = static_cast<A*>(a.agg_v);
   A* incl = static_cast<A*>(a.incl);
-  const A* x0 = static_cast<const A*>(a.x0);
 
   A xin = zero_v<A>();
   if (fast) {
-    if (c == 0) {
-      if (act && x0) xin = x0[static_cast<size_t>(q) * N + m];
-    } else if (act) {
-      xin = ldcg_v(incl + (static_cast<size_t>(q) * C + c - 1) * N + m);
-    }
+    if (act) xin = entering_state<A>(a, q, c, m);
   } else {
     // 1. aggregate of this chunk from a zero entering state: zero-state end y, and where each entering entry
     //    ends up (pi) with which factor (d) -- the latter a per-thread gather chain
@@ -447,10 +457,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
       prof[6] = c - 1 - j;
     }
     A st = zero_v<A>();
-    if (act) {
-      if (j >= 0) st = ldcg_v(incl + (static_cast<size_t>(q) * C + j) * N + m);
-      else if (x0) st = x0[static_cast<size_t>(q) * N + m];
-    }
+    if (act) st = entering_state<A>(a, q, j + 1, m);
     // aggregates j+1 .. c-1, LB at a time: their loads are issued together, then one barrier per aggregate
     for (int i0 = j + 1; i0 < c; i0 += LB) {
       int pb[LB];
@@ -613,7 +620,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* agg_d = static_cast<A*>(a.agg_d);
   A* agg_v = static_cast<A*>(a.agg_v);
   A* incl = static_cast<A*>(a.incl);
-  const A* x0 = static_cast<const A*>(a.x0);
 
   A x[E];
 #pragma unroll
@@ -624,12 +630,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int m = lane + 32 * j;
-      if (!live(j)) continue;
-      if (c == 0) {
-        if (x0) x[j] = x0[static_cast<size_t>(q) * N + m];
-      } else {
-        x[j] = ldcg_v(incl + (static_cast<size_t>(q) * C + c - 1) * N + m);
-      }
+      if (live(j)) x[j] = entering_state<A>(a, q, c, m);
     }
   } else {
     // 1. aggregate from a zero entering state: zero-state end y (the chain) and, per entering entry, where it
@@ -687,10 +688,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int m = lane + 32 * j;
-      st[j] = zero_v<A>();
-      if (!live(j)) continue;
-      if (jb >= 0) st[j] = ldcg_v(incl + (static_cast<size_t>(q) * C + jb) * N + m);
-      else if (x0) st[j] = x0[static_cast<size_t>(q) * N + m];
+      st[j] = live(j) ? entering_state<A>(a, q, jb + 1, m) : zero_v<A>();
     }
     constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
     for (int i0 = jb + 1; i0 < c; i0 += LBW) {
@@ -795,20 +793,13 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   const int pstride = plane_bytes / R::esize;
 
   {
-    const int nb = Tc * N * R::esize;
     unsigned tx = 0;
-    stage_copy(sD, static_cast<const unsigned char*>(a.a0_re) + row0 * R::esize, nb, &s_bar, tx);
-    stage_copy(sG, static_cast<const unsigned char*>(a.a1_re) + row0 * R::esize, nb, &s_bar, tx);
+    stage_array<K, In>(sD, plane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, In>(sG, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
     // x rows s0-1 .. s0+Tc-2 into slots 0..Tc-1 (slot 0 of chunk 0 is x0, read separately)
     const int xs = (c == 0) ? 1 : 0;
     const size_t xrow = row0 - static_cast<size_t>(N) + static_cast<size_t>(xs) * N;
-    const int xb = (Tc - xs) * N * R::esize;
-    stage_copy(sX + xs * N * R::esize, static_cast<const unsigned char*>(a.a2_re) + xrow * R::esize, xb, &s_bar, tx);
-    if constexpr (K == SPLIT) {
-      stage_copy(sD + plane_bytes, static_cast<const unsigned char*>(a.a0_im) + row0 * R::esize, nb, &s_bar, tx);
-      stage_copy(sG + plane_bytes, static_cast<const unsigned char*>(a.a1_im) + row0 * R::esize, nb, &s_bar, tx);
-      stage_copy(sX + plane_bytes + xs * N * R::esize, static_cast<const unsigned char*>(a.a2_im) + xrow * R::esize, xb, &s_bar, tx);
-    }
+    stage_array<K, In>(sX + xs * N * R::esize, plane_bytes, a.a2_re, a.a2_im, xrow, (Tc - xs) * N, &s_bar, tx);
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();

@@ -142,14 +142,9 @@ __global__ void __launch_bounds__(MAXT) PDK_GATHER_MAXNREG(MAXT) pd_fwd_gather_k
   // P on its own mbarrier: the lists are built from it while D and b are still arriving
   unsigned tx = 0, txP = 0;
   {
-    const int nb = Tc * N * R::esize;
     stage_copy(sP, a.P + row0, Tc * N * (int)sizeof(Idx), &s_barP, txP);
-    stage_copy(sD, static_cast<const unsigned char*>(a.a0_re) + row0 * R::esize, nb, &s_bar, tx);
-    stage_copy(sB, static_cast<const unsigned char*>(a.a1_re) + row0 * R::esize, nb, &s_bar, tx);
-    if constexpr (K == SPLIT) {
-      stage_copy(sD + lay.plane, static_cast<const unsigned char*>(a.a0_im) + row0 * R::esize, nb, &s_bar, tx);
-      stage_copy(sB + lay.plane, static_cast<const unsigned char*>(a.a1_im) + row0 * R::esize, nb, &s_bar, tx);
-    }
+    stage_array<K, In>(sD, lay.plane, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, In>(sB, lay.plane, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
     stage_finish(&s_barP, txP);
     __syncthreads();
     sanitize_idx(sP, Tc * N, N, err);
@@ -218,15 +213,10 @@ __global__ void __launch_bounds__(MAXT) PDK_GATHER_MAXNREG(MAXT) pd_fwd_gather_k
   A* agg_d = static_cast<A*>(a.agg_d);
   A* agg_v = static_cast<A*>(a.agg_v);
   A* incl = static_cast<A*>(a.incl);
-  const A* x0 = static_cast<const A*>(a.x0);
 
   A xin = zero_v<A>();
   if (fast) {
-    if (c == 0) {
-      if (act && x0) xin = x0[static_cast<size_t>(q) * N + m];
-    } else if (act) {
-      xin = ldcg_v(incl + (static_cast<size_t>(q) * C + c - 1) * N + m);
-    }
+    if (act) xin = entering_state<A>(a, q, c, m);
   } else {
     // 1. aggregate from a zero entering state: zero-state end y (the chain), and where each entering entry ends
     //    up (pi) with which factor (d): a per-thread gather chain beside it
@@ -271,10 +261,7 @@ __global__ void __launch_bounds__(MAXT) PDK_GATHER_MAXNREG(MAXT) pd_fwd_gather_k
       prof[6] = c - 1 - jb;
     }
     A st = zero_v<A>();
-    if (act) {
-      if (jb >= 0) st = ldcg_v(incl + (static_cast<size_t>(q) * C + jb) * N + m);
-      else if (x0) st = x0[static_cast<size_t>(q) * N + m];
-    }
+    if (act) st = entering_state<A>(a, q, jb + 1, m);
     for (int i0 = jb + 1; i0 < c; i0 += LB) {
       int lo[LB], hi[LB];
       Idx sm[LB];
