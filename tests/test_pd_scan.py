@@ -149,3 +149,11 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(32, 16384, 128, gather, per=25) == 16      # gather kernel: 16 within 56 KB ...
     assert chunk(32, 16384, 128, gather, per=60) == 4       # ... halved until it fits
     assert chunk(32, 128, 128, gather) == 4                 # and until there are >= 4 blocks per SM
+
+
+def test_cuda_build_hash_covers_every_kernel_source():
+    """Every CUDA/C++ file in kernels/ is hashed into the build cache key and found by the loader, so editing
+    any of them rebuilds the extension instead of loading a stale one (no GPU needed)."""
+    from llm_surgery.ops.pd_scan import cuda
+    on_disk = {f.name for f in cuda._source_dir().iterdir() if f.suffix in (".cu", ".cuh", ".cpp")}
+    assert on_disk == set(cuda._SOURCES + cuda._HEADERS)
