@@ -408,30 +408,29 @@ def main():
         for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64") for L in (2048, 16384)] + \
                                 [("gather", k, L, T) for k in ("split_f32", "c64", "split_bf16")
                                  for L, T in ((2048, None), (16384, None), (16384, 8))]:
-            if True:
-                s = inputs_for(kind, S, L, N, 1)[0]
-                fwd_fn(kind, s, T, algo)()
-                K._state["profile"] = True
-                fwd_fn(kind, s, T, algo)()
-                torch.cuda.synchronize()
-                K._state["profile"] = False
-                pr, _, C, TT = K._state.pop("last_profile")
-                pr = pr.cpu().double()
-                fast = pr[:, 6] < 0
-                slow = ~fast
-                f = lambda v: f"{v.mean().item():.0f}" if v.numel() else "-"
-                life = pr[:, 5] - pr[:, 0]
-                # residency: per SM, mean number of blocks alive at each block's start
-                alive = []
-                for sm in pr[:, 7].unique()[:8]:
-                    blk = pr[pr[:, 7] == sm]
-                    for t0 in blk[:, 0][::7]:
-                        alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
-                say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
-                    f"{f(pr[:, 1] - pr[:, 0])} | {f((pr[:, 2] - pr[:, 1])[slow])} | {f((pr[:, 3] - pr[:, 2])[slow])} | "
-                    f"{f((pr[:, 4] - pr[:, 3])[slow])} | {f(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))} | {f(life)} | "
-                    f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
-                del s
+            s = inputs_for(kind, S, L, N, 1)[0]
+            fwd_fn(kind, s, T, algo)()
+            K._state["profile"] = True
+            fwd_fn(kind, s, T, algo)()
+            torch.cuda.synchronize()
+            K._state["profile"] = False
+            pr, _, C, TT = K._state.pop("last_profile")
+            pr = pr.cpu().double()
+            fast = pr[:, 6] < 0
+            slow = ~fast
+            f = lambda v: f"{v.mean().item():.0f}" if v.numel() else "-"
+            life = pr[:, 5] - pr[:, 0]
+            # residency: per SM, mean number of blocks alive at each block's start
+            alive = []
+            for sm in pr[:, 7].unique()[:8]:
+                blk = pr[pr[:, 7] == sm]
+                for t0 in blk[:, 0][::7]:
+                    alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
+            say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
+                f"{f(pr[:, 1] - pr[:, 0])} | {f((pr[:, 2] - pr[:, 1])[slow])} | {f((pr[:, 3] - pr[:, 2])[slow])} | "
+                f"{f((pr[:, 4] - pr[:, 3])[slow])} | {f(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))} | {f(life)} | "
+                f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
+            del s
     if "b192" not in skip:
         say("\n## the paper's bandwidth setting: B=192, N=128, forward. Must-move fraction of D2D, and the paper's "
             "'algorithmic' bandwidth (inputs counted twice, as its three-kernel design streams them) as a fraction "

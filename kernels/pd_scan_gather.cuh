@@ -36,26 +36,24 @@ struct GatherLayout {
   }
 };
 
-// Counting sort of `count` (source, destination) pairs into CSR lists: off[n]..off[n+1] index src[] for each
-// destination n < N. dest(i) gives pair i's destination (already in [0, N)), `src_of(i)` its source. cnt is
-// scratch of `count` 16-bit counters (rounded up to an even number); all threads call it. Several independent
-// lists (one per step) are sorted at once: pair i belongs to list i / N, whose counters/offsets start at
-// (i / N) * N and (i / N) * (N + 1).
-__device__ __forceinline__ void count_inc(uint16_t* cnt, int idx, int& old) {
+// Increments 16-bit counter idx (two share a 32-bit word; counts stay <= 1024, so no carry); returns its old value.
+__device__ __forceinline__ int count_inc(uint16_t* cnt, int idx) {
   const unsigned sh = (idx & 1) * 16;
   const unsigned v = atomicAdd(reinterpret_cast<unsigned*>(cnt) + (idx >> 1), 1u << sh);
-  old = static_cast<int>((v >> sh) & 0xFFFFu);
+  return static_cast<int>((v >> sh) & 0xFFFFu);
 }
+
+// Counting sort of lists * N (source, destination) pairs into CSR lists, one list per group of N pairs: pair i
+// belongs to list k = i / N, its source is i % N and its destination dest(i) (already in [0, N)); afterwards
+// src[k * N + off[k * (N + 1) + n] ...] up to the next offset are list k's sources of destination n. cnt is
+// scratch of lists * N 16-bit counters; all threads call it.
 
 template <typename DestFn>
 __device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint16_t* cnt, Idx* off, Idx* src) {
   const int tid = threadIdx.x, nt = blockDim.x, total = lists * N;
   for (int i = tid; i < (total + 1) / 2; i += nt) reinterpret_cast<unsigned*>(cnt)[i] = 0u;
   __syncthreads();
-  for (int i = tid; i < total; i += nt) {
-    int old;
-    count_inc(cnt, (i / N) * N + dest(i), old);
-  }
+  for (int i = tid; i < total; i += nt) count_inc(cnt, (i / N) * N + dest(i));
   __syncthreads();
   // exclusive scan of each list's N counters, one warp per list; lane l owns a contiguous run of E counters.
   // The counters then become the write cursors.
@@ -85,9 +83,7 @@ __device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint1
   __syncthreads();
   for (int i = tid; i < total; i += nt) {
     const int k = i / N;
-    int pos;
-    count_inc(cnt, k * N + dest(i), pos);
-    src[k * N + pos] = static_cast<Idx>(i - k * N);
+    src[k * N + count_inc(cnt, k * N + dest(i))] = static_cast<Idx>(i - k * N);
   }
   __syncthreads();
 }

@@ -182,22 +182,19 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
 
 
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
-    """Block kernels: the largest chunk <= 16 steps (best measured on H200 at N=128) within 64 KB of shared
-    memory and >= 4 blocks per SM. Warp kernel (one warp per block, shared memory independent of the chunk):
-    about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk sweep in
-    docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
-    if not bwd and algo == _ALGOS["gather"]:   # staged like the block kernel, plus O(T N) int16 lists
-        T = 16
-        while T > 1 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 56 * 1024 or S * -(-L // T) < 4 * sms):
-            T //= 2
-        return T
+    """Staged kernels (block, gather, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
+    within a shared-memory budget (64 KB; gather 56 KB, whose lists also grow with the chunk) and >= 4 blocks per
+    SM, not below 4 steps for the block kernels unless over 200 KB. Warp kernel (one warp per block, shared memory
+    independent of the chunk): about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk
+    sweep in docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
     if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
         return T
+    budget, floor = (56 * 1024, 1) if not bwd and algo == _ALGOS["gather"] else (64 * 1024, 4)
     T = 16
-    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
+    while T > floor and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > budget or S * -(-L // T) < 4 * sms):
         T //= 2
     while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
