@@ -155,12 +155,8 @@ def check(quick, extra_algos=()):
     for N in (1, 31, 33, 100, 200, 255):   # partial warps of the warp kernel
         cases.append((257, N, "c64", "random", None))
         cases.append((257, N, "split_bf16", "collide" if N > 1 else "random", 8))
-    for algo in extra_algos:   # every case above once more through this forward kernel (warp, regs: N <= 256)
-        if algo == "regs":   # its chunks are at most K.regs_chunk(N) steps
-            cases += [c[:4] + (min(c[4] or 99, K.regs_chunk(c[1], c[2] not in ("f32", "bf16"))), algo)
-                      for c in cases if len(c) == 5 and c[1] <= 256]
-        else:
-            cases += [c[:5] + (algo,) for c in cases if len(c) == 5 and (c[1] <= 256 or algo != "warp")]
+    for algo in extra_algos:   # every case above once more through this forward kernel (any N <= 1024)
+        cases += [c[:5] + (algo,) for c in cases if len(c) == 5]
     say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
     say("| L | N | kind | P | chunk | fwd kernel | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -169,7 +165,7 @@ def check(quick, extra_algos=()):
     for case in cases:
         L, N, kind, pm, ch = case[:5]
         algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
-        fk = algo if algo in ("block", "gather", "regs") else ("block" if N > 256 else "warp")
+        fk = algo if algo in ("block", "gather") else ("block" if N > 256 else "warp")
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
@@ -362,7 +358,7 @@ def main():
     S, N = 32, 128
     Ls = [128, 512, 2048, 8192, 16384]
     kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
-    for which, algo in (("fwd", "warp"), ("fwd", "regs"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
+    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
             continue
         key = which if algo in ("auto", "warp") else f"{which}-{algo}"
@@ -379,18 +375,18 @@ def main():
             say(f"| {kind} | " + " | ".join(cells) + " |")
     if "algo" not in skip:
         say("\n## forward kernels at layer-like shapes (default chunk): ms")
-        say("| kind | sequences | L | N | warp | regs | block | gather | fastest |")
-        say("|---|---|---|---|---|---|---|---|---|")
+        say("| kind | sequences | L | N | warp | block | gather | fastest |")
+        say("|---|---|---|---|---|---|---|---|")
         for kind in ("c64", "split_bf16"):
             for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128),
                                (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512)):
-                t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a not in ("warp", "regs") or
-                         N_ <= 256 else float("nan")) for a in ("warp", "regs", "block", "gather")}
+                t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a != "warp" or N_ <= 256
+                         else float("nan")) for a in ("warp", "block", "gather")}
                 res[f"algo/{kind}/{S_}/{L_}/{N_}"] = t
                 best = min((v, a) for a, v in t.items() if v == v)[1]
                 say(f"| {kind} | {S_} | {L_} | {N_} | " + " | ".join(f"{t[a]:.4f}" for a in t) + f" | {best} |")
     if "sweep" not in skip:
-        Ts = {"warp": (16, 32, 64, 128, 256, 512), "regs": (1, 2, 4, 8)}.get(args.sweep_algo, (2, 4, 8, 16, 32, 64))
+        Ts = (16, 32, 64, 128, 256, 512) if args.sweep_algo == "warp" else (2, 4, 8, 16, 32, 64)
         say(f"\n## chunk sweep of the {args.sweep_algo} forward kernel (B=32, N=128): ms (fraction of D2D)")
         say("| kind | L | dir | " + " | ".join(f"T={T}" for T in Ts) + " |")
         say("|---|---|---|" + "---|" * len(Ts))
@@ -409,8 +405,7 @@ def main():
         say("\n## forward kernel anatomy (clock64 cycles per block, means; B=32, N=128)")
         say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
         say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for algo, kind, L, T in [(a, k, L, None) for a in ("warp", "regs") for k in ("split_f32", "c64")
-                                 for L in (2048, 16384)] + \
+        for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64") for L in (2048, 16384)] + \
                                 [("gather", k, L, T) for k in ("split_f32", "c64", "split_bf16")
                                  for L, T in ((2048, None), (16384, None), (16384, 8))]:
             s = inputs_for(kind, S, L, N, 1)[0]

@@ -26,7 +26,6 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <cstdio>
-#include <type_traits>
 #include "pd_scan.cuh"
 
 namespace pdk {
@@ -526,54 +525,16 @@ __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
   return align16(2 * N * 4) + 2 * align16(2 * N * 2) + 2 * align16(2 * N * asize);
 }
 
-// Inputs of one step for a lane's E entries, as compact as registers allow: P two per register, bfloat16
-// planes kept as bfloat16 (a complex value in one register), widened to fp32 where used.
-template <int K, typename In, int E>
-struct WarpStepIn {
-  static constexpr bool narrow = sizeof(In) == 2;
-  using Raw = std::conditional_t<!narrow, typename AccT<K>::T,
-                                 std::conditional_t<K == SPLIT, __nv_bfloat162, __nv_bfloat16>>;
-  unsigned pk[(E + 1) / 2];
-  Raw d[E], b[E];
-  __device__ __forceinline__ int p(int j) const {
-    return static_cast<int16_t>(j & 1 ? pk[j / 2] >> 16 : pk[j / 2] & 0xffffu);
-  }
-  __device__ __forceinline__ void set_p(int j, Idx v) {
-    const unsigned u = static_cast<uint16_t>(v);
-    pk[j / 2] = j & 1 ? (pk[j / 2] & 0xffffu) | (u << 16) : (pk[j / 2] & 0xffff0000u) | u;
-  }
-  static __device__ __forceinline__ typename AccT<K>::T wide(Raw v) {
-    if constexpr (!narrow) return v;
-    else if constexpr (K == SPLIT) return __bfloat1622float2(v);
-    else return __bfloat162float(v);
-  }
-  // element i of a logical array (planes re, im) in its compact form
-  static __device__ __forceinline__ Raw load(const void* re, const void* im, size_t i) {
-    if constexpr (K == CPLX) return __ldg(static_cast<const float2*>(re) + i);
-    else if constexpr (K == SPLIT && !narrow)
-      return make_float2(__ldg(static_cast<const float*>(re) + i), __ldg(static_cast<const float*>(im) + i));
-    else if constexpr (K == SPLIT)
-      return __halves2bfloat162(__ldg(static_cast<const In*>(re) + i), __ldg(static_cast<const In*>(im) + i));
-    else return __ldg(static_cast<const In*>(re) + i);
-  }
-  __device__ __forceinline__ typename AccT<K>::T dv(int j) const { return wide(d[j]); }
-  __device__ __forceinline__ typename AccT<K>::T bv(int j) const { return wide(b[j]); }
+template <typename A, int E>
+struct WarpStepIn {   // inputs of one step for a lane's E entries
+  int p[E];
+  A d[E], b[E];
 };
 
-// The regs kernel's chunk, sized to ~150 registers of inputs per lane (complex: 4.5 per entry and step, as the
-// compiler widens bfloat16 pairs at the load; real: 2.5), at most 32 steps.
-__host__ __device__ constexpr int regs_steps(int E, bool complex) {
-  return (complex ? 32 : 64) / E < 32 ? (complex ? 32 : 64) / E : 32;
-}
-
-// RT > 0 ("regs"): the chunk (at most RT steps) is loaded into registers at the start, all steps' loads in
-// flight together, and the replay reads it from there: inputs cross from device memory once.
-template <int K, typename In, int E, int RG>
-__global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_kernel(ScanArgs a) {
+template <int K, typename In, int E>
+__global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
-  using Step = WarpStepIn<K, In, E>;
-  constexpr int RT = RG ? regs_steps(E, K != REAL) : 0;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_ticket, s_fast;
   const int N = a.N, C = a.C;
@@ -594,30 +555,11 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;
   if (prof && lane == 0) prof[0] = clock64();
-  auto live = [&](int j) { return 32 * j + lane < N; };
-  auto load_step = [&](int k, Step& s) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      if (live(j)) {
-        const size_t i = row0 + static_cast<size_t>(k) * N + lane + 32 * j;
-        s.set_p(j, __ldg(a.P + i));
-        s.d[j] = Step::load(a.a0_re, a.a0_im, i);
-        s.b[j] = Step::load(a.a1_re, a.a1_im, i);
-      } else {
-        s.set_p(j, 0);
-      }
-    }
-  };
-  Step buf[RT > 0 ? RT : 1];   // RT > 0: the whole chunk, loads issued before anything waits
-  if constexpr (RT > 0) {
-#pragma unroll
-    for (int k = 0; k < RT; ++k)
-      if (k < Tc) load_step(k, buf[k]);
-  }
   if (lane == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
   __syncthreads();
   const bool fast = s_fast;
   if (prof && lane == 0) prof_staged(prof);
+  auto live = [&](int j) { return 32 * j + lane < N; };
   // P index checked where it is used (so that a prefetch stays a pure load): out of range -> 0 and `bad`,
   // reported once at the end (a contract violation must not corrupt shared memory)
   bool bad = false;
@@ -625,6 +567,25 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
     const bool ok = static_cast<unsigned>(v) < static_cast<unsigned>(N);
     bad |= !ok;
     return ok ? v : 0;
+  };
+  auto gload = [&](const void* re, const void* im, size_t i) -> A {
+    if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(re) + i));
+    else if constexpr (K == SPLIT)
+      return make_float2(to_f(__ldg(static_cast<const In*>(re) + i)), to_f(__ldg(static_cast<const In*>(im) + i)));
+    else return __ldg(static_cast<const float2*>(re) + i);
+  };
+  auto load_step = [&](int k, WarpStepIn<A, E>& s) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if (live(j)) {
+        const size_t i = row0 + static_cast<size_t>(k) * N + lane + 32 * j;
+        s.p[j] = __ldg(a.P + i);
+        s.d[j] = gload(a.a0_re, a.a0_im, i);
+        s.b[j] = gload(a.a1_re, a.a1_im, i);
+      } else {
+        s.p[j] = 0;
+      }
+    }
   };
   // out <- base + scatter(dest, val): lists threaded with atomicExch, one __syncwarp, then a gather
   int par = 0;
@@ -663,7 +624,7 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
   A x[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
-  Step cur, nx1, nx2;
+  WarpStepIn<A, E> cur, nx1, nx2;
   A val[E];
   if (fast) {
 #pragma unroll
@@ -682,42 +643,28 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
       d[j] = one_v<A>();
       pi[j] = live(j) ? lane + 32 * j : 0;
     }
-    auto fold = [&](const Step& in) {
+    load_step(0, cur);
+    if (Tc > 1) load_step(1, nx1);
+    for (int k = 0; k < Tc; ++k) {
+      if (k + 2 < Tc) load_step(k + 2, nx2);
       Idx* pr = prow + par * N;   // the buffer parity scatter_step is about to use: its __syncwarp covers these
       A* dr = drow + par * N;
-      int dest[E];
-      A base[E];
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        dest[j] = in.p(j);
-        base[j] = in.bv(j);
-        const A dj = in.dv(j);
         if (live(j)) {
-          pr[lane + 32 * j] = static_cast<Idx>(dest[j]);
-          dr[lane + 32 * j] = dj;
+          pr[lane + 32 * j] = static_cast<Idx>(cur.p[j]);
+          dr[lane + 32 * j] = cur.d[j];
         }
-        val[j] = cmul(dj, y[j]);
+        val[j] = cmul(cur.d[j], y[j]);
       }
-      scatter_step(dest, val, base, y);
+      scatter_step(cur.p, val, cur.b, y);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         d[j] = cmul(dr[pi[j]], d[j]);
         pi[j] = checked(pr[pi[j]]);
       }
-    };
-    if constexpr (RT > 0) {
-#pragma unroll
-      for (int k = 0; k < RT; ++k)
-        if (k < Tc) fold(buf[k]);
-    } else {
-      load_step(0, cur);
-      if (Tc > 1) load_step(1, nx1);
-      for (int k = 0; k < Tc; ++k) {
-        if (k + 2 < Tc) load_step(k + 2, nx2);
-        fold(cur);
-        cur = nx1;
-        nx1 = nx2;
-      }
+      cur = nx1;
+      nx1 = nx2;
     }
 #pragma unroll
     for (int j = 0; j < E; ++j) {
@@ -743,7 +690,7 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
       const int m = lane + 32 * j;
       st[j] = live(j) ? entering_state<A>(a, q, jb + 1, m) : zero_v<A>();
     }
-    constexpr int LBW = (RT > 0 && E >= 4) || E >= 8 ? 1 : (E >= 4 ? 2 : 4);
+    constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
     for (int i0 = jb + 1; i0 < c; i0 += LBW) {
       int pb[LBW][E];
       A db[LBW][E], yb[LBW][E];
@@ -786,34 +733,19 @@ __global__ void __launch_bounds__(32, (RG ? 8 : (E <= 4 ? 16 : 8))) pd_fwd_warp_
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  // 3. replay from the entering state, writing x (inputs in registers, or prefetched two steps ahead)
-  auto replay = [&](int k, const Step& in) {
-    int dest[E];
-    A base[E];
+  // 3. replay from the entering state, writing x (inputs prefetched two steps ahead)
+  load_step(0, cur);
+  if (Tc > 1) load_step(1, nx1);
+  for (int k = 0; k < Tc; ++k) {
+    if (k + 2 < Tc) load_step(k + 2, nx2);
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      dest[j] = in.p(j);
-      base[j] = in.bv(j);
-      val[j] = cmul(in.dv(j), x[j]);
-    }
-    scatter_step(dest, val, base, x);
+    for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
+    scatter_step(cur.p, val, cur.b, x);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-  };
-  if constexpr (RT > 0) {
-#pragma unroll
-    for (int k = 0; k < RT; ++k)
-      if (k < Tc) replay(k, buf[k]);
-  } else {
-    load_step(0, cur);
-    if (Tc > 1) load_step(1, nx1);
-    for (int k = 0; k < Tc; ++k) {
-      if (k + 2 < Tc) load_step(k + 2, nx2);
-      replay(k, cur);
-      cur = nx1;
-      nx1 = nx2;
-    }
+    cur = nx1;
+    nx1 = nx2;
   }
   if (fast) {
 #pragma unroll
@@ -982,15 +914,10 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
 
 // ---------------------------------------------------------------- host side
 constexpr int WARP_MAX_N = 256;   // the warp kernel keeps E = N / 32 <= 8 entries per lane in registers
-// The regs kernel holds its whole chunk in registers (regs_steps: E = entries per lane, a power of two).
-__host__ __forceinline__ int regs_chunk(int N, bool complex) {
-  const int E = (N + 31) / 32;
-  return regs_steps(E <= 1 ? 1 : E <= 2 ? 2 : E <= 4 ? 4 : 8, complex);
-}
 
 // 0 (no choice made by the caller) = the block kernel; the size-based policy lives in cuda.py
 __host__ __forceinline__ int fwd_algo(int N, int algo) {
-  if (algo == 2 || algo == 4) return N <= WARP_MAX_N ? algo : -1;
+  if (algo == 2) return N <= WARP_MAX_N ? 2 : -1;
   if (algo == 3) return 3;
   return 1;
 }
@@ -999,7 +926,7 @@ template <int K, typename In>
 int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
-  if (!bwd && (fwd_algo(N, algo) == 2 || fwd_algo(N, algo) == 4)) return warp_smem_bytes(N, asize);
+  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
   if (!bwd && fwd_algo(N, algo) == 3) return GatherLayout<K, In>(N, T, (N + 31) / 32 * 32).total;
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
@@ -1017,21 +944,13 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     snprintf(msg, sizeof(msg), "the warp forward kernel takes N <= %d, got N=%d", WARP_MAX_N, a.N);
     return msg;
   }
-  const int Np = (bwd || algo == 3) ? (a.N + 31) / 32 * 32 : (algo == 2 || algo == 4 ? 32 : fwd_block(a.N, asize));
+  const int Np = (bwd || algo == 3) ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
   const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
   const int E = (a.N + 31) / 32;
-  const int Ep = E <= 1 ? 1 : E <= 2 ? 2 : E <= 4 ? 4 : 8;
-  if (algo == 4 && a.T > regs_chunk(a.N, K != REAL)) {
-    snprintf(msg, sizeof(msg), "the regs forward kernel takes chunks of <= %d steps at N=%d, got %d",
-             regs_chunk(a.N, K != REAL), a.N, a.T);
-    return msg;
-  }
   // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
-  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane, 10/11 gather-list forward (blocks <= 256 / 1024),
-  // 12..15 the warp forward with its chunk in registers (E = 1, 2, 4, 8)
+  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane, 10/11 gather-list forward (blocks <= 256 / 1024)
   const int v = bwd ? 0
-              : algo == 4 ? (Ep == 1 ? 12 : Ep == 2 ? 13 : Ep == 4 ? 14 : 15)
               : algo == 3 ? (Np <= 256 ? 10 : 11)
               : algo == 2 ? (E <= 1 ? 6 : E <= 2 ? 7 : E <= 4 ? 8 : 9)
                           : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
@@ -1041,16 +960,12 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
                          : v == 3 ? pd_fwd_kernel<K, In, 4>
                          : v == 4 ? pd_fwd_kernel<K, In, 8>
                          : v == 5 ? pd_fwd_kernel<K, In, 0>
-                         : v == 6 ? pd_fwd_warp_kernel<K, In, 1, 0>
-                         : v == 7 ? pd_fwd_warp_kernel<K, In, 2, 0>
-                         : v == 8 ? pd_fwd_warp_kernel<K, In, 4, 0>
-                         : v == 9 ? pd_fwd_warp_kernel<K, In, 8, 0>
+                         : v == 6 ? pd_fwd_warp_kernel<K, In, 1>
+                         : v == 7 ? pd_fwd_warp_kernel<K, In, 2>
+                         : v == 8 ? pd_fwd_warp_kernel<K, In, 4>
+                         : v == 9 ? pd_fwd_warp_kernel<K, In, 8>
                          : v == 10 ? pd_fwd_gather_kernel<K, In, 256>
-                         : v == 11 ? pd_fwd_gather_kernel<K, In, 1024>
-                         : v == 12 ? pd_fwd_warp_kernel<K, In, 1, 1>
-                         : v == 13 ? pd_fwd_warp_kernel<K, In, 2, 1>
-                         : v == 14 ? pd_fwd_warp_kernel<K, In, 4, 1>
-                                   : pd_fwd_warp_kernel<K, In, 8, 1>;
+                                   : pd_fwd_gather_kernel<K, In, 1024>;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
@@ -1058,7 +973,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     return msg;
   }
   // per device and variant: the dynamic shared-memory limit already set (static shared memory counts too)
-  static int raised[64][16] = {};
+  static int raised[64][12] = {};
   int dev = 0;
   cudaGetDevice(&dev);
   int& done = raised[dev & 63][v];

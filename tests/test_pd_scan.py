@@ -119,11 +119,6 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("gather", 32, 100, 1000, False) == 3   # the gather-list kernel takes any N <= 1024
     with pytest.raises(ValueError, match="N <= 256"):
         cuda._algo_code("warp", 1, 10, 300, False)
-    with pytest.raises(ValueError, match="N <= 256"):
-        cuda._algo_code("regs", 1, 10, 300, False)
-    # the regs kernel's chunk fits its registers: 32 steps of 1 complex entry per lane, 8 of 4 (N=128), 4 of 8
-    assert [cuda.regs_chunk(N) for N in (1, 32, 33, 64, 128, 129, 256)] == [32, 32, 16, 16, 8, 4, 4]
-    assert [cuda.regs_chunk(N, complex=False) for N in (32, 64, 128, 256)] == [32, 32, 16, 8]
     with pytest.raises(ValueError, match="algo must be one of"):
         cuda._algo_code("fastest", 1, 10, 30, False)
 

@@ -60,10 +60,10 @@ def _rel(a, ref):
 @pytest.mark.parametrize("L,N,chunk", [(1, 16, None), (127, 64, None), (129, 128, None), (300, 256, 4),
                                        (513, 32, 1), (200, 600, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
-@pytest.mark.parametrize("algo", ["warp", "regs", "block", "gather"])
+@pytest.mark.parametrize("algo", ["warp", "block", "gather"])
 def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
-    if algo in ("warp", "regs") and N > 256:
-        algo = "auto"   # the warp kernels stop at N=256; auto runs the block kernel there
+    if algo == "warp" and N > 256:
+        algo = "auto"   # the warp kernel stops at N=256; auto runs the block kernel there
     K = _cuda()
     cplx = dtype.is_complex
     P, D, b, x0, gx = _inputs(2, L, N, cplx, seed=L * N)
@@ -77,7 +77,7 @@ def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide"])
-@pytest.mark.parametrize("algo", ["warp", "regs", "block", "gather"])
+@pytest.mark.parametrize("algo", ["warp", "block", "gather"])
 def test_split_bf16_and_collisions(pmode, algo):
     K = _cuda()
     P, D, b, x0, gx = _inputs(3, 700, 128, True, pmode=pmode, seed=7)
@@ -137,5 +137,3 @@ def test_bad_inputs_raise_clear_errors():
         K.pd_scan_fwd_cuda(P600, D600.float(), b600.float(), algo="warp")
     with pytest.raises(ValueError, match="CUDA tensor"):
         K.pd_scan_fwd_cuda(P.cpu(), D.float(), b.float())
-    with pytest.raises(ValueError, match="regs forward kernel takes chunks <= 64"):   # 64 = 64 / (N / 32) steps
-        K.pd_scan_fwd_cuda(P, D.float(), b.float(), algo="regs", chunk=65)

@@ -20,9 +20,7 @@ float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` bef
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
 N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), "gather" (one block per chunk like
-"block", the scatter done as a gather over lists sorted once per chunk, any N <= 1024), "regs" (the warp kernel
-with its whole chunk, at most `regs_chunk(N)` = 32 / (N / 32) steps, held in registers: inputs read once), or
-"auto" (default: the
+"block", the scatter done as a gather over lists sorted once per chunk, any N <= 1024), or "auto" (default: the
 kernel that measured fastest on the H200 at that size, `_algo_code`; docs/bench/kernels.md).
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
@@ -163,22 +161,15 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3, "regs": 4}
-
-
-def regs_chunk(N: int, complex: bool = True) -> int:
-    """Longest chunk of the regs kernel (kernels/pd_scan.cu: regs_steps): 32 / E steps for complex inputs, 64 / E
-    for real ones, at most 32; E = entries per lane (N / 32 rounded up to a power of 2)."""
-    E = 1 << max(0, math.ceil(N / 32) - 1).bit_length()
-    return min(32, (32 if complex else 64) // E)
+_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3}
 
 
 def _algo_code(algo, S, L, N, bwd, bf16=False):
     """The forward kernel to launch (1 block, 2 warp, 3 gather); the backward has one kernel (code ignored)."""
     if algo not in _ALGOS:
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
-    if algo in ("warp", "regs") and N > 256 and not bwd:
-        raise ValueError(f"pd_scan CUDA: the {algo} forward kernel takes N <= 256, got N={N}")
+    if algo == "warp" and N > 256 and not bwd:
+        raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
     if algo == "auto":   # the fastest kernel at every shape measured on the H200 (docs/bench/kernels.md):
         # the warp kernel when there are enough sequence-steps to fill the GPU with warps; the gather kernel
         # (staged chunk, reads the inputs once) for fewer; the block kernel for N > 256 and small bf16 states
@@ -196,8 +187,6 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     SM, not below 4 steps for the block kernels unless over 200 KB. Warp kernel (one warp per block, shared memory
     independent of the chunk): about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk
     sweep in docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
-    if not bwd and algo == _ALGOS["regs"]:
-        return regs_chunk(N, kind != _REAL)
     if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
@@ -219,9 +208,6 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
-    if code == _ALGOS["regs"] and not bwd and T > regs_chunk(N, kind != _REAL):
-        raise ValueError(f"pd_scan CUDA: the regs forward kernel takes chunks <= {regs_chunk(N, kind != _REAL)} "
-                         f"at N={N}, got {T}")
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
     counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
