@@ -9,8 +9,8 @@ from llm_surgery.bench.state_tracking.__main__ import _seeds, main, parse_args a
 from llm_surgery.bench.state_tracking.model import StateTracker
 from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig,
                                                     TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
-                                                    held_out_generator, lr_at, max_train_len, param_groups, preset_for,
-                                                    progress, train)
+                                                    held_out_generator, lr_at, max_train_len, needs_retry,
+                                                    param_groups, preset_for, progress, train)
 from llm_surgery.bench.state_tracking.tasks import get_task
 from llm_surgery.layers import FlashPDSSM
 
@@ -62,6 +62,29 @@ def test_restarts_continue_the_candidate_with_the_lowest_training_loss():
     assert plain["restart_losses"] == [] and plain["chosen_seed"] == 0
     with pytest.raises(ValueError, match="restart"):
         TrainConfig(restarts=2, restart_frac=1.0)
+
+
+def test_unfit_runs_are_retried_from_a_new_seed(tmp_path):
+    """needs_retry: budget used up, validation unsolved, training loss above retry_loss (NaN too); train then
+    runs the next try from candidate_seed(seed, 0, attempt), on the same test sequences, into its own folder."""
+    row = {"train_loss": 0.5, "val_best": 0.6, "config": {"stop_acc": 1.0}}
+    assert needs_retry(row, 1e-3) and needs_retry({**row, "train_loss": float("nan")}, 1e-3)
+    assert not needs_retry({**row, "train_loss": 1e-4}, 1e-3)
+    assert not needs_retry({**row, "solved": True}, 1e-3) and not needs_retry({**row, "val_best": 1.0}, 1e-3)
+    assert len({candidate_seed(5, r, a) for r in range(3) for a in range(3)}) == 9 and candidate_seed(5, 0, 0) == 5
+    # 3 steps cannot fit parity: every try is unfit, so retries=2 makes three tries
+    cfg = TrainConfig(task="parity", n_layers=1, d_model=16, steps=3, batch_size=8, eval_lengths=(40,),
+                      eval_batch=8, eval_every=3, stop_acc=2.0, seed=5, retries=2, retry_loss=1e-6,
+                      mixer=dict(num_heads=2))
+    r = train(cfg, run_dir=str(tmp_path / "run"))
+    assert r["config"]["attempt"] == 2 and r["chosen_seed"] == candidate_seed(5, 0, 2) and not r["solved"]
+    assert [a["chosen_seed"] for a in r["earlier_attempts"]] == [5, candidate_seed(5, 0, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run-attempt1", "run-attempt2"]
+    assert train(cfg, run_dir=str(tmp_path / "run"))["acc"] == r["acc"]   # finished tries are not retrained
+    once = train(TrainConfig(**{**cfg.__dict__, "retries": 0}))
+    assert once["config"]["attempt"] == 0 and "earlier_attempts" not in once
+    with pytest.raises(ValueError, match="retries"):
+        TrainConfig(retries=-1)
 
 
 def test_validation_keeps_the_best_weights_and_reports_them_on_the_test_set():
@@ -205,6 +228,10 @@ def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
           "--eval-every", "2", "--eval-lengths", "40", "--eval-batch", "4", "--out", str(out)])
     last = json.loads(out.read_text().splitlines()[-1])
     assert [s for s, _ in last["val_curve"]] == [2, 4] and set(last["acc_selected"]) == {"40"}
+    main(["--task", "parity", "--steps", "2", "--seeds", "1", "--layers", "1", "--d-model", "16", "--batch-size", "4",
+          "--eval-lengths", "40", "--eval-batch", "4", "--retries", "1", "--retry-loss", "1e-9", "--out", str(out)])
+    retried = json.loads(out.read_text().splitlines()[-1])   # 2 steps never fit: one retry, then the result
+    assert retried["config"]["attempt"] == 1 and len(retried["earlier_attempts"]) == 1
     text = capsys.readouterr().out
     assert "| pdssm | parity | 2 |" in text and "validation-selected" in text
     with pytest.raises(SystemExit):

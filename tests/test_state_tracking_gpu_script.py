@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from llm_surgery.bench.state_tracking.resume import config_dict, run_dir_name
+
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "state_tracking_gpu.py"
 spec = importlib.util.spec_from_file_location("state_tracking_gpu", _PATH)
 gpu = importlib.util.module_from_spec(spec)
@@ -87,6 +89,26 @@ def test_summary_tables(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert gpu.main(["--summarize", str(path)]) == 0
+
+
+def test_retries_of_unfit_runs_and_summaries_of_the_last_tries(tmp_path):
+    """--retry-unfit plans the next try of the unfit runs only (needs_retry); a summary keeps each run's last try."""
+    def row(task, seed, loss, acc, attempt=0):
+        cfg = gpu.cli_defaults("pdssm", task=task, seed=seed, n_layers=2, eval_every=500, attempt=attempt,
+                               retries=attempt, time_limit_s=900.0)
+        return {"kind": "pdssm", "task": task, "seed": seed, "acc_mean": acc, "acc_max_len": acc, "train_loss": loss,
+                "val_best": acc, "steps_run": 10, "config": config_dict(cfg)}
+    rows = [row(t, 0, 1e-6, 1.0) for t in gpu.TABLE1_TASKS] + [row("parity", 1, 0.6, 0.5), row("parity", 2, 1e-5, 0.9)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    (retry,) = gpu.retries_of(str(path), 1e-3, "cpu")
+    assert (retry.task, retry.seed, retry.attempt, retry.retries) == ("parity", 1, 1, 1)
+    assert retry.mixer == rows[-2]["config"]["mixer"] and retry.eval_lengths == tuple(rows[-2]["config"]["eval_lengths"])
+    assert run_dir_name(retry) == "pdssm-parity-seed1-attempt1"
+    assert gpu.retries_of(str(path), 1.0, "cpu") == []
+    text = gpu.summarize(rows + [row("parity", 1, 1e-6, 1.0, attempt=1)])
+    assert "1 results are retries" in text
+    assert "| pdssm | 100.0 ± 0.0 | 100.0 ± 0.0 | 100.0 ± 0.0 | 96.7 ± 3.3 | 99.2 | 3 |" in text
 
 
 def test_start_mps_falls_back_and_restores_the_environment(tmp_path, monkeypatch):

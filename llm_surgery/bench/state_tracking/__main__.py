@@ -50,6 +50,10 @@ def parse_args(argv=None):
                    help="train R candidates for --restart-frac of the run, continue the best by training loss "
                         "(default: per kind, see --curriculum, else 1)")
     p.add_argument("--restart-frac", type=float, default=None)
+    p.add_argument("--retries", type=int, default=None,
+                   help="train a run that ends unfit (training loss above --retry-loss after its whole budget) "
+                        "again from a new seed, up to this many times (default 0)")
+    p.add_argument("--retry-loss", type=float, default=None, help="training loss in nats (default 1e-3)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every training step eagerly (default: one CUDA graph per sequence length)")
     p.add_argument("--full-autotune", action="store_true",
@@ -128,6 +132,7 @@ def main(argv=None) -> int:
                     curriculum_step=args.curriculum_step,
                     tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
                     time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
+                    retries=args.retries, retry_loss=args.retry_loss,
                     eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch,
                     cuda_graphs=False if args.no_cuda_graphs else None))
     if args.pause_after is not None and not args.checkpoint_dir:

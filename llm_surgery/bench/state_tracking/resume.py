@@ -30,8 +30,10 @@ MAY_CHANGE = ("device", "cuda_graphs")
 
 
 def run_dir_name(cfg) -> str:
-    """A run's folder under a sweep's checkpoint directory: kind, variant name, task and seed."""
-    return "-".join(p for p in (cfg.kind, cfg.name.replace("/", "_"), cfg.task, f"seed{cfg.seed}") if p)
+    """A run's folder under a sweep's checkpoint directory: kind, variant name, task, seed (and try, after the
+    first: the name `train` gives a retry of a run in `<run_dir>-attempt<k>`)."""
+    parts = (cfg.kind, cfg.name.replace("/", "_"), cfg.task, f"seed{cfg.seed}", cfg.attempt and f"attempt{cfg.attempt}")
+    return "-".join(p for p in parts if p)
 
 
 def config_dict(cfg) -> dict:

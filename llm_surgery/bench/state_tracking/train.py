@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,11 @@ class TrainConfig:
     ema_decay: float = 0.0  # > 0: keep an exponential moving average of the weights; validation judges (and keeps) it
     restarts: int = 1  # > 1: train this many candidates briefly, continue the best by training loss
     restart_frac: float = 0.1  # fraction of the run (steps or time) each candidate trains before selection
+    # A run that ends unfit (needs_retry: training loss above retry_loss after its whole budget) is trained again
+    # from a new seed, up to `retries` times; `attempt` numbers the tries (its seed: candidate_seed).
+    retries: int = 0
+    retry_loss: float = 1e-3
+    attempt: int = 0
     mixer: dict = field(default_factory=dict)  # options for the mixer (build_mixer / FlashPDSSM)
     name: str = ""  # a label for reports (e.g. a named variant of the options)
     cuda_graphs: bool = True  # CUDA: replay each step as a graph (graphed_step.py); not while tau anneals
@@ -93,6 +98,9 @@ class TrainConfig:
             raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
         if self.restarts < 1 or not 0 < self.restart_frac < 1:
             raise ValueError(f"need restarts >= 1 and 0 < restart_frac < 1, got {self.restarts}, {self.restart_frac}")
+        if self.retries < 0 or self.attempt < 0 or not self.retry_loss > 0.0:
+            raise ValueError(f"need retries >= 0, attempt >= 0 and retry_loss > 0, got {self.retries}, "
+                             f"{self.attempt}, {self.retry_loss}")
         if not self.adam_eps > 0.0:
             raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
         if not 0.0 <= self.ema_decay < 1.0:
@@ -229,6 +237,7 @@ class TrainRun:
         if self.graphed:
             self.graphed_step = GraphedTrainStep(self.model, self.opt, cfg.grad_clip)
         self.step, self.seconds, self.losses, self.done = 0, 0.0, [], False
+        self.solved = False  # validation reached stop_acc at every length (the run stopped early)
         self.paused = False  # advance stopped at its deadline (resume.py continues the run)
         self.run_dir = None  # set: a checkpoint after every validation (resume.save_run)
         self.pending: list[torch.Tensor] = []  # losses of recent steps not read back yet
@@ -301,7 +310,7 @@ class TrainRun:
                     log(f"{cfg.task} {cfg.kind} seed {self.seed} step {self.step} loss {self.train_loss():.4f} "
                         f"len {self.max_len()} val {min(acc.values()):.3f}..{max(acc.values()):.3f} "
                         f"({self.seconds:.0f}s)")
-                self.done = min(acc.values()) >= cfg.stop_acc
+                self.solved = self.done = min(acc.values()) >= cfg.stop_acc
             self.done = self.done or self.step >= cfg.steps or (cfg.time_limit_s and self.seconds >= cfg.time_limit_s)
             if self.run_dir and cfg.eval_every and self.step % cfg.eval_every == 0:
                 self.read_losses()
@@ -358,13 +367,44 @@ def held_out_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(10_000 + seed)
 
 
-def candidate_seed(seed: int, r: int) -> int:
-    """Seed of restart candidate r; candidate 0 is the run's own seed (restarts=1 is the plain run)."""
-    return seed if r == 0 else seed + 1_000_003 * r
+def candidate_seed(seed: int, r: int, attempt: int = 0) -> int:
+    """Seed of restart candidate r of try `attempt`; candidate 0 of try 0 is the run's own seed (restarts=1 and
+    retries=0 is the plain run)."""
+    return seed + 1_000_003 * r + 7_000_003 * attempt
+
+
+def needs_retry(result: dict, retry_loss: float) -> bool:
+    """A finished run is unfit when it used its whole budget without solving validation and its training loss
+    (mean of the last 50 steps) is still above `retry_loss`: it never fitted its own training lengths. Decided
+    on training data alone; results of older runs without "solved" count as solved when validation was perfect."""
+    solved = result.get("solved", result.get("val_best", 0.0) >= result["config"]["stop_acc"])
+    return not solved and not result["train_loss"] <= retry_loss   # a NaN loss is unfit too
 
 
 def train(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline: float | None = None) -> dict:
-    """Train from `cfg.seed` and return a results dict (config, final loss, accuracy per eval length).
+    """`train_once`, then, while the result needs_retry and tries remain (`cfg.retries`), again from the next
+    attempt's seed (with `run_dir`: in `<run_dir>-attempt<k>`). The returned result is the last try's, with
+    the earlier tries summarised under "earlier_attempts"."""
+    result = train_once(cfg, log, run_dir, deadline)
+    if result.get("paused") or cfg.attempt >= cfg.retries or not needs_retry(result, cfg.retry_loss):
+        return result
+    retry = replace(cfg, attempt=cfg.attempt + 1)
+    if log:
+        log(f"{cfg.task} {cfg.kind} seed {cfg.seed}: unfit (loss {result['train_loss']:.3g}); try {retry.attempt} "
+            f"from seed {candidate_seed(cfg.seed, 0, retry.attempt)}")
+    if run_dir is not None:   # the first try's folder, then <it>-attempt<k> (resume.run_dir_name's form)
+        base = str(run_dir).removesuffix(f"-attempt{cfg.attempt}") if cfg.attempt else str(run_dir)
+        run_dir = f"{base}-attempt{retry.attempt}"
+    nxt = train(retry, log, run_dir, deadline)
+    if not nxt.get("paused"):
+        brief = {k: result.get(k) for k in ("chosen_seed", "train_loss", "acc_mean", "acc_selected_mean", "steps_run")}
+        nxt["earlier_attempts"] = [brief] + nxt.get("earlier_attempts", [])
+    return nxt
+
+
+def train_once(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline: float | None = None) -> dict:
+    """Train from `cfg.seed` (try `cfg.attempt`) and return a results dict (config, final loss, accuracy per eval
+    length).
 
     With `cfg.restarts = R > 1`, R candidates (seeds `candidate_seed(seed, r)`) each train the first
     `restart_frac` of the run; the one with the lowest training-distribution loss continues to the end.
@@ -387,7 +427,7 @@ def train(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline: floa
     t_start = time.time()
     best, sel_losses = None, []
     for r in range(cfg.restarts):
-        run = TrainRun(cfg, candidate_seed(cfg.seed, r), task, device)
+        run = TrainRun(cfg, candidate_seed(cfg.seed, r, cfg.attempt), task, device)
         if cfg.restarts > 1:
             run.advance(cfg.restart_frac, log)
             sel_losses.append(run.selection_loss())
@@ -424,7 +464,7 @@ def train(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline: floa
         "task": cfg.task, "kind": cfg.kind, "seed": cfg.seed, "steps_run": run.step,
         "train_loss": run.train_loss(), "train_max_len": run.max_len(), "acc_mean": sum(acc.values()) / len(acc),
         "acc_max_len": acc[max(acc)], "acc": {str(k): v for k, v in acc.items()},
-        "chosen_seed": run.seed, "restart_losses": sel_losses,
+        "chosen_seed": run.seed, "restart_losses": sel_losses, "solved": run.solved,
         "graphed": run.graphed and run.graphed_step.failed is None,
         "seconds": round(time.time() - t_start, 1), "train_seconds": round(run.seconds, 1),
         "params": sum(p.numel() for p in run.model.parameters()), **selected, "config": config_dict(cfg),
