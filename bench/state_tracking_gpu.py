@@ -78,7 +78,9 @@ VARIANTS = {
 
 def plan(args) -> list[TrainConfig]:
     """All runs: Table 1 (2 layers, width 128) and issue 9 (one layer); pdssm seeds first within each."""
-    base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch, eval_every=args.val_every)
+    # no retries inside a run: a retry would overrun the call's time budget (--retry-unfit plans them instead)
+    base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch, eval_every=args.val_every,
+                retries=0)
     cfgs = []
     t1 = [("pdssm", None, args.t1_pdssm_seeds)]
     t1 += [("pdssm", p, args.t1_preset_seeds) for p in args.t1_presets.split(",") if p]

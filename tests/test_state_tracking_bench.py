@@ -194,6 +194,7 @@ def test_cli_defaults_per_kind():
     assert cli_defaults("pdssm", preset="layer", mixer={"complex": False}).mixer == {"complex": False}
     m = cli_defaults("mamba2", curriculum_frac=None)
     assert m.mixer == {} and m.curriculum_frac == 0.0 and m.restarts == 1  # baselines: appendix B.1 as is
+    assert m.retries == 0 and p.retries == 1 and cli_defaults("pdssm", retries=0).retries == 0
 
 
 def test_config_errors():

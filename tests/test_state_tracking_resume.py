@@ -19,7 +19,8 @@ def small(**kw):
     validation every 4 steps and a weight average: every piece of state a resume has to carry (the adaptive
     curriculum, whose threshold lets it grow here, draws its checks from the second generator)."""
     opts = dict(task="parity", steps=28, batch_size=8, d_model=16, eval_every=4, eval_lengths=(40, 64),
-                eval_batch=8, ema_decay=0.9, seed=3, curriculum_mode="adaptive", curriculum_threshold=5.0)
+                eval_batch=8, ema_decay=0.9, seed=3, curriculum_mode="adaptive", curriculum_threshold=5.0,
+                retries=0)   # one try (retries of unfit runs: test_state_tracking_bench.py)
     opts.update(kw)
     return cli_defaults("pdssm", mixer=dict(num_heads=2, state_size=4), **opts)
 

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--restart-frac", type=float, default=None)
     p.add_argument("--retries", type=int, default=None,
                    help="train a run that ends unfit (training loss above --retry-loss after its whole budget) "
-                        "again from a new seed, up to this many times (default 0)")
+                        "again from a new seed, up to this many times (default: pdssm 1, others 0)")
     p.add_argument("--retry-loss", type=float, default=None, help="training loss in nats (default 1e-3)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every training step eagerly (default: one CUDA graph per sequence length)")

@@ -125,9 +125,10 @@ def default_mixer_options(kind: str, d_model: int) -> dict:
     raise ValueError(f"unknown kind {kind!r}; choose from pdssm, mamba2, deltanet")
 
 
-# The CLI's defaults per kind beyond the paper setup (pdssm: preset, curriculum, restarts); measurements in
-# docs/bench/state_tracking.md. The other kinds train exactly as in appendix B.1.
-KIND_DEFAULTS = {"pdssm": dict(curriculum_frac=0.3)}
+# The CLI's defaults per kind beyond the paper setup (pdssm: preset, curriculum, one retry of a run that ends
+# unfit: Table 1, 24 seeds, 3 of 96 runs retried, 95.9% -> 97.0%); measurements in docs/bench/state_tracking.md.
+# The other kinds train exactly as in appendix B.1.
+KIND_DEFAULTS = {"pdssm": dict(curriculum_frac=0.3, retries=1)}
 
 # One-layer sizes for the group word problems (issue 9): real Flash PD-SSM, 16 heads whose state size is the
 # number of points the group permutes; the options not named here are the CLI defaults above.
