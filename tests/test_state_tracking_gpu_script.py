@@ -103,7 +103,8 @@ def test_retries_of_unfit_runs_and_summaries_of_the_last_tries(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     (retry,) = gpu.retries_of(str(path), 1e-3, "cpu")
     assert (retry.task, retry.seed, retry.attempt, retry.retries) == ("parity", 1, 1, 1)
-    assert retry.mixer == rows[-2]["config"]["mixer"] and retry.eval_lengths == tuple(rows[-2]["config"]["eval_lengths"])
+    unfit = rows[-2]["config"]
+    assert retry.mixer == unfit["mixer"] and retry.eval_lengths == tuple(unfit["eval_lengths"])
     assert run_dir_name(retry) == "pdssm-parity-seed1-attempt1"
     assert gpu.retries_of(str(path), 1.0, "cpu") == []
     text = gpu.summarize(rows + [row("parity", 1, 1e-6, 1.0, attempt=1)])
