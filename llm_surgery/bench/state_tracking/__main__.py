@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--tau-end", type=float, default=None, help="anneal the pdssm STE temperature 1 -> tau_end")
     p.add_argument("--preset", choices=["auto", *sorted(PDSSM_PRESETS)], default=DEFAULT_PRESET,
                    help="pdssm layer options: 'layer' = FlashPDSSM's defaults (as in the surgery), "
-                        f"'robust' = {ROBUST_PDSSM}; 'auto' = robust for --layers 1, else layer "
+                        f"'robust' = {ROBUST_PDSSM}; 'auto' = robust for --layers 1, else automaton "
                         "(docs/bench/state_tracking.md); --mixer overrides any")
     p.add_argument("--robust", action="store_const", const="robust", dest="preset", help="= --preset robust")
     p.add_argument("--restarts", type=int, default=None,
