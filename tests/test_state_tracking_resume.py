@@ -45,6 +45,22 @@ def test_paused_at_every_step_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_retry_pauses_and_resumes_like_a_first_try(tmp_path):
+    """With retries, the paused calls walk through the first try and then the retry (in <run_dir>-attempt1) and
+    end where the uninterrupted pair of tries ends."""
+    cfg = small(steps=8, retries=1, retry_loss=1e-9, stop_acc=2.0)   # 8 steps never fit: always one retry
+    straight = train(cfg, run_dir=tmp_path / "straight")
+    assert straight["config"]["attempt"] == 1 and len(straight["earlier_attempts"]) == 1
+    out, calls = {"paused": True}, 0
+    while out.get("paused"):
+        out = train(cfg, run_dir=tmp_path / "paused", deadline=0.0)
+        calls += 1
+        assert calls <= 2 * cfg.steps + 2
+    assert calls > cfg.steps and (tmp_path / "paused-attempt1").is_dir()
+    for key in ("acc", "acc_selected", "val_curve", "train_loss", "earlier_attempts"):
+        assert out[key] == straight[key], key
+
+
 def test_finished_run_is_returned_not_retrained(tmp_path):
     cfg = small(steps=4)
     first = train(cfg, run_dir=tmp_path)
