@@ -252,7 +252,7 @@ def inputs_for(kind, S, L, N, nsets):
     return sets
 
 
-CLUSTER_N = (32, 64, 128)   # state sizes the cluster forward kernel takes
+CLUSTER_N = (32, 64, 128, 256)   # state sizes (of those benchmarked) the cluster forward kernel takes
 ELEM = {"f32": 4, "bf16": 2, "c64": 8, "split_f32": 8, "split_bf16": 4}   # bytes per element of D, b, x, g
 
 

@@ -924,12 +924,11 @@ __host__ __forceinline__ int fwd_algo(int N, int algo) {
   return 1;
 }
 
-// The launch configuration of the cluster kernel: blocks of ga + gr warps, cs CTAs per cluster.
+// The launch configuration of the cluster kernel: blocks of (ga + gr) * N threads, cs CTAs per cluster.
 template <int K, typename In>
 cudaError_t cluster_config(const ScanArgs& a, cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attr,
                            void (*&kern)(ScanArgs, int, int, int, int)) {
-  kern = a.N == 32 ? pd_fwd_cluster_kernel<K, In, 1> : a.N == 64 ? pd_fwd_cluster_kernel<K, In, 2>
-                                                       : pd_fwd_cluster_kernel<K, In, 4>;
+  kern = pd_fwd_cluster_kernel<K, In>;
   const int sm = cluster_smem_bytes<K, In>(a.N, a.T, a.ns, a.ga, a.gr);
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
   if (e != cudaSuccess) return e;
@@ -939,7 +938,7 @@ cudaError_t cluster_config(const ScanArgs& a, cudaLaunchConfig_t& cfg, cudaLaunc
   }
   cfg = cudaLaunchConfig_t{};
   cfg.gridDim = dim3(a.S * a.cs);
-  cfg.blockDim = dim3((a.ga + a.gr) * 32);
+  cfg.blockDim = dim3((a.ga + a.gr) * a.N);
   cfg.dynamicSmemBytes = sm;
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = a.cs;
@@ -950,20 +949,20 @@ cudaError_t cluster_config(const ScanArgs& a, cudaLaunchConfig_t& cfg, cudaLaunc
   return cudaSuccess;
 }
 
-// N = 32, 64 or 128 (a warp holds E = N / 32 entries a lane); ga compose and gr replay warps, both dividing the
-// ns stages (a warp then meets every stage's phases in order).
+// N a multiple of 32 (groups of whole warps); ga compose and gr replay groups, both dividing the ns stages (a
+// group then meets every stage's phases in order).
 __host__ __forceinline__ bool cluster_ok(int N, int T, int cs, int ns, int ga, int gr) {
-  return (N == 32 || N == 64 || N == 128) && ga >= 1 && gr >= 1 && ga + gr <= 16 && ns >= 1 && ns % ga == 0 &&
-         ns % gr == 0 && cs >= 1 && cs <= 16 && T >= 1;
+  return N % 32 == 0 && N > 0 && ga >= 1 && gr >= 1 && (ga + gr) * N <= 512 && ga + gr <= 15 && ns >= 1 &&
+         ns % ga == 0 && ns % gr == 0 && cs >= 1 && cs <= 16 && T >= 1;
 }
 
 template <int K, typename In>
 const char* launch_cluster(const ScanArgs& a, cudaStream_t stream) {
   static thread_local char msg[512];
   if (!cluster_ok(a.N, a.T, a.cs, a.ns, a.ga, a.gr)) {
-    snprintf(msg, sizeof(msg), "cluster kernel: unsupported configuration N=%d (32, 64 or 128), T=%d, cs=%d "
-             "(1..16), ns=%d stages, ga=%d compose and gr=%d replay warps (ns a multiple of both, ga+gr <= 16)",
-             a.N, a.T, a.cs, a.ns, a.ga, a.gr);
+    snprintf(msg, sizeof(msg), "cluster kernel: unsupported configuration N=%d (a multiple of 32), T=%d, cs=%d "
+             "(1..16), ns=%d stages, ga=%d compose and gr=%d replay groups (ns a multiple of both, "
+             "(ga+gr)*N <= 512)", a.N, a.T, a.cs, a.ns, a.ga, a.gr);
     return msg;
   }
   cudaLaunchConfig_t cfg;

@@ -5,28 +5,28 @@
 // aggregates per chunk; at B=32 the GPU holds a few hundred chunks at once, so every chunk waits on a long
 // chain. Here one thread-block cluster of CS CTAs (on CS SMs) owns a sequence, CTA r takes chunks r, r+CS, ...,
 // and the state passes from CTA to CTA through distributed shared memory (st.async, one hop per chunk).
-// Inside a CTA, GA "compose" warps and GR "replay" warps; lane l of a warp owns entries l + 32 e, e < E = N / 32:
+// Inside a CTA, GA "compose" groups and GR "replay" groups of N threads each (thread m = state entry m):
 //   compose (needs the chunk's inputs only, so it runs ahead of the chain): sorts every step's sources by
 //     destination once (gather lists, as the gather kernel), then the chunk's aggregate: where entry m of the
 //     entering state ends (column map Q, with its own lists), its gain G (gathers along each entry's path) and
 //     the end state Y for a zero entering state (one gather step per step);
 //   replay: with the entering state x_in (in this CTA's inbox), the chunk's end state Y + sum over Q's lists of
-//     G x_in is the next chunk's entering state, sent on at once (the chain costs one gather and one hop per
-//     chunk); then the chunk is replayed step by step from x_in out of shared memory, writing the outputs.
-//     Replay warp j takes the CTA's chunks k = j, j + GR, ... (inbox slot j); compose warp g the chunks g, g + GA.
-// A step is: w[m] = D_t[m] x[m] into shared memory, __syncwarp, x[n] = b_t[n] + sum of w over n's list.
-// No shared-memory atomics and no block barriers on the chains: on the H200 a 64-bit compare-and-swap add costs
-// ~230 cycles with no collision and ~32k when all entries merge, a store + 4-warp barrier + load ~54
-// (bench/scatter_step_micro.py); one warp per chain lets many chunks run at once on an SM.
+//     G x_in is the next chunk's entering state, sent on at once (a segmented sum over Q's sorted sources and
+//     one barrier: the chain costs that and one hop per chunk); then the chunk is replayed step by step from x_in out of shared memory, writing the
+//     outputs. Replay group j takes the CTA's chunks k = j, j + GR, ... (inbox slot j).
+// A step is: w[m] = D_t[m] x[m] into shared memory, one named barrier, x[n] = b_t[n] + sum of w over n's list.
+// No shared-memory atomics on the chains: on the H200 a 64-bit compare-and-swap add costs ~230 cycles with no
+// collision and ~32k when all entries merge, a store + barrier + load ~54 (bench/scatter_step_micro.py).
 // Inputs arrive by bulk copies (TMA) into an NS-deep ring of stages, each freed by the replay.
 
-constexpr int CLH = 2;   // list sources per entry read ahead of a step's __syncwarp
+constexpr int CLH = 4;   // list sources read ahead of a step's barrier
 
 template <int K, typename In>
 struct ClusterLayout {
-  int bars, inbox, wbuf, agg, Y, G, Q, qcnt, qoff, qsrc, agg_bytes;
+  int bars, inbox, wbuf, lnk, agg, Y, G, Q, qcnt, qoff, qsrc, agg_bytes;
   int stage, P, D, B, cnt, off, src, stage_bytes, total;
-  // barriers | GR inbox slots [N] | per warp w [2][N] | NS aggregates (Y, G, Q and Q's lists) |
+  // barriers | GR inbox slots [N] | per group w [2][N] | per group the link's warp carries [8] A, [8] int |
+  // NS aggregates (Y, G, Q and Q's lists) |
   // NS stages (P, D planes, b planes, the steps' lists)
   __host__ __device__ ClusterLayout(int N, int T, int NS, int GA, int GR) {
     using R = Arr<K, In>;
@@ -35,7 +35,8 @@ struct ClusterLayout {
     bars = 0;
     inbox = align16((2 * NS + GR) * 8);
     wbuf = inbox + GR * align16(N * asize);
-    agg = wbuf + (GA + GR) * align16(2 * N * asize);   // per warp
+    lnk = wbuf + (GA + GR) * align16(2 * N * asize);
+    agg = lnk + (GA + GR) * 128;
     Y = 0;
     G = align16(N * asize);
     Q = 2 * G;
@@ -93,67 +94,66 @@ __device__ __forceinline__ void send_async(unsigned raddr, float2 v, unsigned rb
                "f"(v.x), "f"(v.y), "r"(rbar) : "memory");
 }
 
-// One gather step of one warp (lane l owns entries l + 32 e): out[m] = b[m] + sum over m's list of w, where
-// w[m] = val[m]. What does not depend on the chain (list bounds, first CLH sources, D and b) is read into a
-// ListStep a step ahead; w is double-buffered by parity, so one __syncwarp per step.
-template <typename A, int E>
+// One gather step of a group of N threads (thread m owns entry m): out[m] = base + sum over m's list of val.
+// What does not depend on the chain (list bounds, first CLH sources, D and b) is read into a ListStep before the
+// previous step's barrier; w is double-buffered by parity, so one barrier per step.
+template <typename A>
 struct ListStep {
-  int lo[E], n[E], s[E][CLH];
-  A d[E], b[E];
+  int lo, n, s[CLH];
+  A d, b;
 };
-template <typename A, int E>
-struct WarpGather {
+template <typename A>
+struct LinkIn {   // thread i of the link: the i-th source s in destination order, its destination d = Q[s]
+  int s, d;
+  bool head, tail, empty;   // first / last of d's sources; no source flows into this thread's own entry
+  A g, y;                   // G[s], Y[d]
+};
+__device__ __forceinline__ float shfl_up_v(float v, int o) { return __shfl_up_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ float2 shfl_up_v(float2 v, int o) {
+  return make_float2(__shfl_up_sync(0xffffffffu, v.x, o), __shfl_up_sync(0xffffffffu, v.y, o));
+}
+
+template <typename A>
+struct GroupGather {
   A* w;   // [2][N]
-  int lane, par;
-  __device__ void init(A* w_, int lane_) { w = w_; lane = lane_; par = 0; }
-  template <typename DFn, typename BFn>
-  __device__ __forceinline__ ListStep<A, E> prefetch(const Idx* off, const Idx* src, DFn d, BFn b) const {
-    ListStep<A, E> g;
+  int N, m, bar, par;
+  __device__ void init(A* w_, int n, int m_, int bar_) { w = w_; N = n; m = m_; bar = bar_; par = 0; }
+  __device__ __forceinline__ void sync() const { sync_group(bar, N); }
+  // list m of (off, src); d, b of the step when given
+  __device__ __forceinline__ ListStep<A> prefetch(const Idx* off, const Idx* src) const {
+    ListStep<A> g;
+    g.lo = off[m];
+    g.n = off[m + 1] - g.lo;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int m = lane + 32 * e;
-      g.lo[e] = off[m];
-      g.n[e] = off[m + 1] - g.lo[e];
-#pragma unroll
-      for (int j = 0; j < CLH; ++j) g.s[e][j] = j < g.n[e] ? src[g.lo[e] + j] : 0;
-      g.d[e] = d(m);
-      g.b[e] = b(m);
-    }
+    for (int j = 0; j < CLH; ++j) g.s[j] = j < g.n ? src[g.lo + j] : 0;
     return g;
   }
-  __device__ __forceinline__ void step(const ListStep<A, E>& g, const Idx* src, A (&x)[E]) {
-    A* wb = w + par * 32 * E;
+  __device__ __forceinline__ A step(const ListStep<A>& g, const Idx* src, A val, A base) {
+    A* wb = w + par * N;
     par ^= 1;
+    wb[m] = val;
+    sync();
+    A v[CLH];
 #pragma unroll
-    for (int e = 0; e < E; ++e) wb[lane + 32 * e] = cmul(g.d[e], x[e]);
-    __syncwarp();
-    A v[E][CLH];
+    for (int j = 0; j < CLH; ++j) v[j] = j < g.n ? wb[g.s[j]] : zero_v<A>();
+    A acc = base;
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-#pragma unroll
-      for (int j = 0; j < CLH; ++j) v[e][j] = j < g.n[e] ? wb[g.s[e][j]] : zero_v<A>();
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      A acc = g.b[e];
-#pragma unroll
-      for (int j = 0; j < CLH; ++j) acc = addv(acc, v[e][j]);
-      for (int i = g.lo[e] + CLH; i < g.lo[e] + g.n[e]; ++i) acc = addv(acc, wb[src[i]]);
-      x[e] = acc;
-    }
+    for (int j = 0; j < CLH; ++j) acc = addv(acc, v[j]);
+    for (int i = g.lo + CLH; i < g.lo + g.n; ++i) acc = addv(acc, wb[src[i]]);
+    return acc;
   }
 };
 
-template <int K, typename In, int E>
-__global__ void __launch_bounds__(512) pd_fwd_cluster_kernel(ScanArgs a, int CS, int NS, int GA, int GR) {
+template <int K, typename In>
+__global__ void __launch_bounds__(512, 1) pd_fwd_cluster_kernel(ScanArgs a, int CS, int NS, int GA, int GR) {
   using R = Arr<K, In>;
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int N = 32 * E;
-  const int T = a.T, C = a.C, L = a.L, TN = a.T * N;
+  const int N = a.N, T = a.T, C = a.C, L = a.L, TN = a.T * a.N;
   const ClusterLayout<K, In> lay(N, T, NS, GA, GR);
   const int rank = static_cast<int>(cluster_rank());
   const int q = blockIdx.x / CS;
-  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;   // warps 0..GA-1 compose, GA..GA+GR-1 replay
+  const int grp = threadIdx.x / N, m = threadIdx.x % N;   // groups 0..GA-1 compose, GA..GA+GR-1 replay
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.bars);   // stage k % NS loaded
   uint64_t* ready = full + NS;                                       // aggregate k % NS composed
   uint64_t* inbar = ready + NS;                                      // [GR] entering state arrived
@@ -185,15 +185,15 @@ __global__ void __launch_bounds__(512) pd_fwd_cluster_kernel(ScanArgs a, int CS,
     return p;
   };
 
-  WarpGather<A, E> gg;
-  gg.init(reinterpret_cast<A*>(smem + lay.wbuf + wid * align16(2 * N * asize)), lane);
-  // entering states replay warp j receives: its chunks, less chunk 0 of the sequence (it starts from x0)
-  const int j = wid - GA;
+  GroupGather<A> gg;
+  gg.init(reinterpret_cast<A*>(smem + lay.wbuf + grp * align16(2 * N * asize)), N, m, 1 + grp);
+  // entering states replay group j receives: its chunks, less chunk 0 of the sequence (it starts from x0)
+  const int j = grp - GA;
   int recv_left = (j >= 0 && j < Kr) ? (Kr - 1 - j) / GR + 1 - (rank == 0 && j == 0 ? 1 : 0) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init_count(full + s, 1);
-      mbar_init_count(ready + s, 32);
+      mbar_init_count(ready + s, N);
     }
     for (int g = 0; g < GR; ++g) mbar_init_count(inbar + g, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -201,16 +201,16 @@ __global__ void __launch_bounds__(512) pd_fwd_cluster_kernel(ScanArgs a, int CS,
   __syncthreads();
   if (threadIdx.x == 0)
     for (int k = 0; k < min(NS, Kr); ++k) load(k);
-  if (j >= 0 && lane == 0 && recv_left > 0) mbar_arrive_expect_tx(inbar + j, N * asize);
+  if (j >= 0 && m == 0 && recv_left > 0) mbar_arrive_expect_tx(inbar + j, N * asize);
   cluster_sync_all();   // every CTA's barriers exist before any st.async reaches them
 
   // optional clock64 anatomy (a.prof, [S * CS, 8]): 0 compose waits for data, 1 compose work, 2 replay waits for
   // the aggregate, 3 replay waits for the entering state, 4 link, 5 replay steps, 6 lifetime, 7 chunks
   long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   const long long t_start = clock64();
-  if (wid < GA) {
-    // ---------------- compose: lists, then the aggregate (Q, G, Y) of chunks k = wid, wid + GA, ...
-    for (int k = wid; k < Kr; k += GA) {
+  if (grp < GA) {
+    // ---------------- compose: lists, then the aggregate (Q, G, Y) of chunks k = grp, grp + GA, ...
+    for (int k = grp; k < Kr; k += GA) {
       const int Tc = min(T, L - (rank + k * CS) * T);
       long long t0 = clock64();
       mbar_wait(full + k % NS, (k / NS) & 1);
@@ -222,50 +222,40 @@ __global__ void __launch_bounds__(512) pd_fwd_cluster_kernel(ScanArgs a, int CS,
       const unsigned char* sB = st + lay.B;
       Idx* off = reinterpret_cast<Idx*>(st + lay.off);
       Idx* src = reinterpret_cast<Idx*>(st + lay.src);
-      build_lists(Tc, N, [&](int i) { return idx(sP[i]); }, reinterpret_cast<uint16_t*>(st + lay.cnt), off, src,
-                  lane, 32, -1);
-      int qi[E];
-      A gain[E], y[E];
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const int m = lane + 32 * e;
-        qi[e] = idx(sP[m]);
-        gain[e] = R::sload(sD, m, TN);
-        y[e] = R::sload(sB, m, TN);
+      build_lists(Tc, N, [&](int i) { return idx(sP[i]); }, reinterpret_cast<uint16_t*>(st + lay.cnt), off, src, m,
+                  N, 1 + grp);
+      int qi = idx(sP[m]);
+      A gain = R::sload(sD, m, TN), y = R::sload(sB, m, TN);
+      ListStep<A> nx;
+      if (Tc > 1) {
+        nx = gg.prefetch(off + (N + 1), src + N);
+        nx.d = R::sload(sD, N + m, TN);
+        nx.b = R::sload(sB, N + m, TN);
       }
-      auto stepin = [&](int t) {
-        return gg.prefetch(off + t * (N + 1), src + t * N, [&](int m) { return R::sload(sD, t * N + m, TN); },
-                           [&](int m) { return R::sload(sB, t * N + m, TN); });
-      };
-      ListStep<A, E> nx;
-      if (Tc > 1) nx = stepin(1);
       for (int t = 1; t < Tc; ++t) {
-        const ListStep<A, E> cur = nx;
-        if (t + 1 < Tc) nx = stepin(t + 1);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const int pq = idx(sP[t * N + qi[e]]);
-          gain[e] = cmul(R::sload(sD, t * N + qi[e], TN), gain[e]);
-          qi[e] = pq;
+        const ListStep<A> cur = nx;
+        if (t + 1 < Tc) {
+          nx = gg.prefetch(off + (t + 1) * (N + 1), src + (t + 1) * N);
+          nx.d = R::sload(sD, (t + 1) * N + m, TN);
+          nx.b = R::sload(sB, (t + 1) * N + m, TN);
         }
-        gg.step(cur, src + t * N, y);
+        const int pq = idx(sP[t * N + qi]);
+        gain = cmul(R::sload(sD, t * N + qi, TN), gain);
+        qi = pq;
+        y = gg.step(cur, src + t * N, cmul(cur.d, y), cur.b);
       }
       unsigned char* ag = agg_of(k);
       Idx* Q = reinterpret_cast<Idx*>(ag + lay.Q);
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const int m = lane + 32 * e;
-        reinterpret_cast<A*>(ag + lay.Y)[m] = y[e];
-        reinterpret_cast<A*>(ag + lay.G)[m] = gain[e];
-        Q[m] = static_cast<Idx>(qi[e]);
-      }
-      __syncwarp();
+      reinterpret_cast<A*>(ag + lay.Y)[m] = y;
+      reinterpret_cast<A*>(ag + lay.G)[m] = gain;
+      Q[m] = static_cast<Idx>(qi);
+      gg.sync();
       build_lists(1, N, [&](int i) { return static_cast<int>(Q[i]); }, reinterpret_cast<uint16_t*>(ag + lay.qcnt),
-                  reinterpret_cast<Idx*>(ag + lay.qoff), reinterpret_cast<Idx*>(ag + lay.qsrc), lane, 32, -1);
+                  reinterpret_cast<Idx*>(ag + lay.qoff), reinterpret_cast<Idx*>(ag + lay.qsrc), m, N, 1 + grp);
       mbar_arrive(ready + k % NS);
       pr[1] += clock64() - t1;
     }
-  } else if (j < GR) {
+  } else {
     // ---------------- link (entering state -> next CTA) and replay of chunks k = j, j + GR, ...
     const unsigned next = static_cast<unsigned>((rank + 1) % CS);
     unsigned in_par = 0;
@@ -286,64 +276,88 @@ __global__ void __launch_bounds__(512) pd_fwd_cluster_kernel(ScanArgs a, int CS,
       const Idx* qoff = reinterpret_cast<const Idx*>(ag + lay.qoff);
       const Idx* qsrc = reinterpret_cast<const Idx*>(ag + lay.qsrc);
       const A* G = reinterpret_cast<const A*>(ag + lay.G);
-      const A* Y = reinterpret_cast<const A*>(ag + lay.Y);
-      auto stepin = [&](int t) {
-        return gg.prefetch(off + t * (N + 1), src + t * N, [&](int m) { return R::sload(sD, t * N + m, TN); },
-                           [&](int m) { return R::sload(sB, t * N + m, TN); });
-      };
-      ListStep<A, E> nx = stepin(0);   // the first step, read ahead of the entering state
+      const A ye = reinterpret_cast<const A*>(ag + lay.Y)[m];
+      LinkIn<A> link;   // the link's inputs, read ahead of the entering state
+      {
+        const Idx* Q = reinterpret_cast<const Idx*>(ag + lay.Q);
+        link.s = qsrc[m];
+        link.d = Q[link.s];
+        link.head = m == 0 || Q[qsrc[m - 1]] != link.d;
+        link.tail = m == N - 1 || Q[qsrc[m + 1]] != link.d;
+        link.empty = qoff[m + 1] == qoff[m];
+        link.g = G[link.s];
+        link.y = reinterpret_cast<const A*>(ag + lay.Y)[link.d];
+      }
+      ListStep<A> nx = gg.prefetch(off, src);   // the first step, read ahead of the entering state
+      nx.d = R::sload(sD, m, TN);
+      nx.b = R::sload(sB, m, TN);
       A* xs = inbox_of(k);
       if (c == 0) {
-#pragma unroll
-        for (int e = 0; e < E; ++e)
-          xs[lane + 32 * e] = a.x0 ? static_cast<const A*>(a.x0)[static_cast<size_t>(q) * N + lane + 32 * e]
-                                   : zero_v<A>();
-        __syncwarp();
+        xs[m] = a.x0 ? static_cast<const A*>(a.x0)[static_cast<size_t>(q) * N + m] : zero_v<A>();
+        gg.sync();
       } else {
         mbar_wait_cluster(inbar + j, in_par);
         in_par ^= 1;
-        if (lane == 0 && --recv_left > 0) mbar_arrive_expect_tx(inbar + j, N * asize);
+        if (m == 0 && --recv_left > 0) mbar_arrive_expect_tx(inbar + j, N * asize);
       }
       long long t2 = clock64();
       pr[3] += t2 - t1;
-      A x[E];
-#pragma unroll
-      for (int e = 0; e < E; ++e) x[e] = xs[lane + 32 * e];
+      A x = xs[m];
       if (c + 1 < C) {   // chunk c + 1 is the next CTA's chunk k (k + 1 when this is the last rank)
+        // Thread i takes the i-th source in destination order; a segmented sum over the group gives each
+        // destination's total at its segment's last thread, in ~log2(32) shuffles plus one barrier however
+        // many entries Q merges (a serial sum over the longest list cost up to ~2,000 cycles per link).
+        const int lane = m & 31, wq = m >> 5;
+        A v = cmul(link.g, xs[link.s]);
+        const unsigned heads = __ballot_sync(0xffffffffu, link.head);
+        const unsigned le = heads & (0xffffffffu >> (31 - lane));
+        const int start = le ? 31 - __clz(le) : -1;   // -1: this segment began in an earlier warp
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const A t = shfl_up_v(v, o);
+          if (lane - o >= max(start, 0)) v = addv(v, t);
+        }
+        A* carry = reinterpret_cast<A*>(smem + lay.lnk + grp * 128);
+        int* has_head = reinterpret_cast<int*>(smem + lay.lnk + grp * 128 + 64);
+        if (lane == 31) {
+          carry[wq] = v;
+          has_head[wq] = heads != 0;
+        }
+        gg.sync();
+        if (start < 0)
+          for (int w2 = wq - 1; w2 >= 0; --w2) {
+            v = addv(v, carry[w2]);
+            if (has_head[w2]) break;
+          }
         const int slot = (rank + 1 == CS ? k + 1 : k) % GR;
         const unsigned rbar = remote_addr(inbar + slot, next);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const int m = lane + 32 * e;
-          A xe = Y[m];
-          for (int i = qoff[m]; i < qoff[m + 1]; ++i) {
-            const int s = qsrc[i];
-            xe = addv(xe, cmul(G[s], xs[s]));
-          }
-          send_async(remote_addr(inbox_of(slot) + m, next), xe, rbar);
-        }
+        if (link.tail) send_async(remote_addr(inbox_of(slot) + link.d, next), addv(link.y, v), rbar);
+        if (link.empty) send_async(remote_addr(inbox_of(slot) + m, next), ye, rbar);   // nothing flows into m
       }
       t1 = clock64();
       pr[4] += t1 - t2;
       for (int t = 0; t < Tc; ++t) {
-        const ListStep<A, E> cur = nx;
-        if (t + 1 < Tc) nx = stepin(t + 1);
-        gg.step(cur, src + t * N, x);
-#pragma unroll
-        for (int e = 0; e < E; ++e) R::gstore(a.out_re, a.out_im, row0 + t * N + lane + 32 * e, x[e]);
+        const ListStep<A> cur = nx;
+        if (t + 1 < Tc) {
+          nx = gg.prefetch(off + (t + 1) * (N + 1), src + (t + 1) * N);
+          nx.d = R::sload(sD, (t + 1) * N + m, TN);
+          nx.b = R::sload(sB, (t + 1) * N + m, TN);
+        }
+        x = gg.step(cur, src + t * N, cmul(cur.d, x), cur.b);
+        R::gstore(a.out_re, a.out_im, row0 + t * N + m, x);
       }
-      __syncwarp();   // every read of this stage is done: refill it
+      gg.sync();   // every read of this stage is done: refill it
       pr[5] += clock64() - t1;
       pr[7] += 1;
-      if (lane == 0 && k + NS < Kr) {
+      if (m == 0 && k + NS < Kr) {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         load(k + NS);
       }
     }
   }
   if (bad) atomicOr(a.counter + 1, 1);
-  if (a.prof && lane == 0) {
-    pr[6] = wid == GA ? clock64() - t_start : 0;
+  if (a.prof && m == 0) {
+    pr[6] = grp == GA ? clock64() - t_start : 0;
     for (int i = 0; i < 8; ++i)
       if (pr[i]) atomicAdd(reinterpret_cast<unsigned long long*>(a.prof) + 8 * blockIdx.x + i, pr[i]);
   }

@@ -224,8 +224,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if code == _ALGOS["cluster"] and not bwd:
-        if N not in (32, 64, 128):
-            raise ValueError(f"pd_scan CUDA: the cluster forward kernel takes N = 32, 64 or 128, got N={N}")
+        if N % 32 or N > 256:
+            raise ValueError(f"pd_scan CUDA: the cluster forward kernel takes N a multiple of 32 up to 256, got N={N}")
         if any(p % 16 for p in ptrs[:5] if p):
             raise ValueError("pd_scan CUDA: the cluster forward kernel needs 16-byte aligned inputs")
         T, cs, ns, ga, gr = _cluster_plan(ext, kind, bf16, S, L, N, chunk, sms)
