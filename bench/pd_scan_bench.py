@@ -155,8 +155,8 @@ def check(quick, extra_algos=()):
     for N in (1, 31, 33, 100, 200, 255):   # partial warps of the warp kernel
         cases.append((257, N, "c64", "random", None))
         cases.append((257, N, "split_bf16", "collide" if N > 1 else "random", 8))
-    for algo in extra_algos:   # every case above once more through this forward kernel (the cluster kernel: its N)
-        cases += [c[:5] + (algo,) for c in cases if len(c) == 5 and (algo != "cluster" or c[1] in CLUSTER_N)]
+    for algo in extra_algos:   # every case above once more through this forward kernel (any N <= 1024)
+        cases += [c[:5] + (algo,) for c in cases if len(c) == 5]
     say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
     say("| L | N | kind | P | chunk | fwd kernel | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -165,7 +165,7 @@ def check(quick, extra_algos=()):
     for case in cases:
         L, N, kind, pm, ch = case[:5]
         algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
-        fk = algo if algo in ("block", "gather", "cluster") else ("block" if N > 256 else "warp")
+        fk = algo if algo in ("block", "gather") else ("block" if N > 256 else "warp")
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
@@ -252,7 +252,6 @@ def inputs_for(kind, S, L, N, nsets):
     return sets
 
 
-CLUSTER_N = (32, 64, 128, 256)   # state sizes (of those benchmarked) the cluster forward kernel takes
 ELEM = {"f32": 4, "bf16": 2, "c64": 8, "split_f32": 8, "split_bf16": 4}   # bytes per element of D, b, x, g
 
 
@@ -334,7 +333,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,fwd-block,fwd-gather,bwd,"
                     "algo,sweep,prof,b192,base")
-    ap.add_argument("--check-algos", default="gather,cluster",
+    ap.add_argument("--check-algos", default="gather",
                     help="forward kernels that run every correctness case once more (comma list; '' for none)")
     ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
     args = ap.parse_args()
@@ -359,7 +358,7 @@ def main():
     S, N = 32, 128
     Ls = [128, 512, 2048, 8192, 16384]
     kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
-    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("fwd", "cluster"), ("bwd", "auto")):
+    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
             continue
         key = which if algo in ("auto", "warp") else f"{which}-{algo}"
@@ -376,14 +375,13 @@ def main():
             say(f"| {kind} | " + " | ".join(cells) + " |")
     if "algo" not in skip:
         say("\n## forward kernels at layer-like shapes (default chunk): ms")
-        say("| kind | sequences | L | N | warp | block | gather | cluster | fastest |")
-        say("|---|---|---|---|---|---|---|---|---|")
+        say("| kind | sequences | L | N | warp | block | gather | fastest |")
+        say("|---|---|---|---|---|---|---|---|")
         for kind in ("c64", "split_bf16"):
             for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128),
                                (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512)):
-                t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0]
-                         if (a != "warp" or N_ <= 256) and (a != "cluster" or N_ in CLUSTER_N) else float("nan"))
-                     for a in ("warp", "block", "gather", "cluster")}
+                t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a != "warp" or N_ <= 256
+                         else float("nan")) for a in ("warp", "block", "gather")}
                 res[f"algo/{kind}/{S_}/{L_}/{N_}"] = t
                 best = min((v, a) for a, v in t.items() if v == v)[1]
                 say(f"| {kind} | {S_} | {L_} | {N_} | " + " | ".join(f"{t[a]:.4f}" for a in t) + f" | {best} |")

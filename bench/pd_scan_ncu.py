@@ -3,9 +3,7 @@ moves against the must-move bytes (inputs once, outputs once).
 
     PYTHONPATH=. ncu --kernel-name regex:pd_fwd --launch-skip 1 --launch-count 1 \
         --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        python bench/pd_scan_ncu.py [L] [split_f32|split_bf16|c64] [warp|block|gather|cluster|auto] [T,cs,ns,ga]
-
-(the last argument sets the cluster kernel's configuration; default: its plan)
+        python bench/pd_scan_ncu.py [L] [split_f32|split_bf16|c64] [warp|block|gather|auto]
 """
 import sys
 
@@ -16,8 +14,6 @@ from llm_surgery.ops.pd_scan import cuda as K
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 kind = sys.argv[2] if len(sys.argv) > 2 else "split_f32"
 algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
-if len(sys.argv) > 4:
-    K._state["cluster_cfg"] = tuple(int(v) for v in sys.argv[4].split(","))
 S, N = 32, 128
 P = torch.randint(0, N, (S, L, N), device="cuda", dtype=torch.int16)
 D = torch.polar(0.3 + 0.65 * torch.rand(S, L, N, device="cuda"), 6.283 * torch.rand(S, L, N, device="cuda"))

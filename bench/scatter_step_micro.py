@@ -1,5 +1,7 @@
-"""Latency of one scatter step of a 128-thread group on the GPU, by parts (clock64, one CTA; with --load, one
-CTA per SM x `--ctas`): what a PD-SSM step costs in the cluster kernel (kernels/pd_scan_cluster.cuh).
+"""Latency of one scatter step of a 128-thread group (one thread per state entry, N=128) on the GPU, by parts:
+a barrier, a store + barrier + load, shared-memory compare-and-swap or float atomic adds, a full step, and the
+warp-combining scatter of the block kernel; clock64 cycles per step on one CTA and with four CTAs per SM.
+Why: it decided the design of the cluster forward kernel tried in session 12 (docs/bench/kernels.md).
 
   PYTHONPATH=$PWD python bench/scatter_step_micro.py
 """

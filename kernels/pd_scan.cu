@@ -758,7 +758,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 }
 
 #include "pd_scan_gather.cuh"   // forward kernel 3: staged chunk, per-step gather lists
-#include "pd_scan_cluster.cuh"  // forward kernel 4: one cluster per sequence, state passed through DSMEM
 
 // ---------------------------------------------------------------- backward
 template <int K, typename In>
@@ -920,81 +919,7 @@ constexpr int WARP_MAX_N = 256;   // the warp kernel keeps E = N / 32 <= 8 entri
 __host__ __forceinline__ int fwd_algo(int N, int algo) {
   if (algo == 2) return N <= WARP_MAX_N ? 2 : -1;
   if (algo == 3) return 3;
-  if (algo == 4) return 4;
   return 1;
-}
-
-// The launch configuration of the cluster kernel: blocks of (ga + gr) * N threads, cs CTAs per cluster.
-template <int K, typename In>
-cudaError_t cluster_config(const ScanArgs& a, cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attr,
-                           void (*&kern)(ScanArgs, int, int, int, int)) {
-  kern = pd_fwd_cluster_kernel<K, In>;
-  const int sm = cluster_smem_bytes<K, In>(a.N, a.T, a.ns, a.ga, a.gr);
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
-  if (e != cudaSuccess) return e;
-  if (a.cs > 8) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
-  cfg = cudaLaunchConfig_t{};
-  cfg.gridDim = dim3(a.S * a.cs);
-  cfg.blockDim = dim3((a.ga + a.gr) * a.N);
-  cfg.dynamicSmemBytes = sm;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = a.cs;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaSuccess;
-}
-
-// N a multiple of 32 (groups of whole warps); ga compose and gr replay groups, both dividing the ns stages (a
-// group then meets every stage's phases in order).
-__host__ __forceinline__ bool cluster_ok(int N, int T, int cs, int ns, int ga, int gr) {
-  return N % 32 == 0 && N > 0 && ga >= 1 && gr >= 1 && (ga + gr) * N <= 512 && ga + gr <= 15 && ns >= 1 &&
-         ns % ga == 0 && ns % gr == 0 && cs >= 1 && cs <= 16 && T >= 1;
-}
-
-template <int K, typename In>
-const char* launch_cluster(const ScanArgs& a, cudaStream_t stream) {
-  static thread_local char msg[512];
-  if (!cluster_ok(a.N, a.T, a.cs, a.ns, a.ga, a.gr)) {
-    snprintf(msg, sizeof(msg), "cluster kernel: unsupported configuration N=%d (a multiple of 32), T=%d, cs=%d "
-             "(1..16), ns=%d stages, ga=%d compose and gr=%d replay groups (ns a multiple of both, "
-             "(ga+gr)*N <= 512)", a.N, a.T, a.cs, a.ns, a.ga, a.gr);
-    return msg;
-  }
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  void (*kern)(ScanArgs, int, int, int, int) = nullptr;
-  cudaError_t e = cluster_config<K, In>(a, cfg, attr, kern);
-  if (e == cudaSuccess) {
-    cfg.stream = stream;
-    e = cudaLaunchKernelEx(&cfg, kern, a, a.cs, a.ns, a.ga, a.gr);
-  }
-  if (e != cudaSuccess) {
-    snprintf(msg, sizeof(msg), "cluster kernel launch (cs %d, ns %d, ga %d, gr %d, T %d, smem %d B): %s", a.cs,
-             a.ns, a.ga, a.gr, a.T, cluster_smem_bytes<K, In>(a.N, a.T, a.ns, a.ga, a.gr), cudaGetErrorString(e));
-    return msg;
-  }
-  return nullptr;
-}
-
-template <int K, typename In>
-int cluster_fit(int N, int T, int cs, int ns, int ga, int gr) {
-  if (!cluster_ok(N, T, cs, ns, ga, gr)) return 0;
-  ScanArgs a{};
-  a.N = N; a.T = T; a.S = 1; a.cs = cs; a.ns = ns; a.ga = ga; a.gr = gr;
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  void (*kern)(ScanArgs, int, int, int, int) = nullptr;
-  int n = 0;
-  if (cluster_config<K, In>(a, cfg, attr, kern) != cudaSuccess || cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
 }
 
 template <int K, typename In>
@@ -1015,7 +940,6 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   static thread_local char msg[512];
   constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
   const int algo = bwd ? 1 : fwd_algo(a.N, a.algo);
-  if (algo == 4) return launch_cluster<K, In>(a, stream);
   if (algo < 0) {
     snprintf(msg, sizeof(msg), "the warp forward kernel takes N <= %d, got N=%d", WARP_MAX_N, a.N);
     return msg;
@@ -1096,17 +1020,4 @@ const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, 
   if (kind == SPLIT) return bf16 ? launch<SPLIT, __nv_bfloat16>(a, bwd, stream) : launch<SPLIT, float>(a, bwd, stream);
   if (kind == CPLX && !bf16) return launch<CPLX, float>(a, bwd, stream);
   return "pd_scan: unsupported kind/dtype combination";
-}
-
-#define PDK_DISPATCH(F, ...)                                                                          \
-  (kind == pdk::REAL ? (bf16 ? F<pdk::REAL, __nv_bfloat16>(__VA_ARGS__) : F<pdk::REAL, float>(__VA_ARGS__)) \
-   : kind == pdk::SPLIT ? (bf16 ? F<pdk::SPLIT, __nv_bfloat16>(__VA_ARGS__) : F<pdk::SPLIT, float>(__VA_ARGS__)) \
-                        : F<pdk::CPLX, float>(__VA_ARGS__))
-
-int pd_scan_cluster_smem(int kind, int bf16, int N, int T, int ns, int ga, int gr) {
-  return PDK_DISPATCH(pdk::cluster_smem_bytes, N, T, ns, ga, gr);
-}
-
-int pd_scan_cluster_fit(int kind, int bf16, int N, int T, int cs, int ns, int ga, int gr) {
-  return PDK_DISPATCH(pdk::cluster_fit, N, T, cs, ns, ga, gr);
 }

@@ -20,9 +20,7 @@ struct ScanArgs {
   long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
   int S, L, N, T, C;
   int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel,
-                    // 3 block-per-chunk kernel with per-step gather lists (pd_scan_gather.cuh),
-                    // 4 cluster kernel (pd_scan_cluster.cuh)
-  int cs, ns, ga, gr;  // cluster kernel: CTAs per sequence (cluster size), input stages, compose/replay groups
+                    // 3 block-per-chunk kernel with per-step gather lists (pd_scan_gather.cuh)
 };
 
 }  // namespace pdk
@@ -31,7 +29,3 @@ struct ScanArgs {
 int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo);
 // Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
 const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);
-// Cluster forward: shared memory of one CTA, and how many clusters of `cs` CTAs fit on the current device at once
-// (cudaOccupancyMaxActiveClusters; 0 when the configuration cannot launch).
-int pd_scan_cluster_smem(int kind, int bf16, int N, int T, int ns, int ga, int gr);
-int pd_scan_cluster_fit(int kind, int bf16, int N, int T, int cs, int ns, int ga, int gr);

@@ -46,21 +46,15 @@ __device__ __forceinline__ int count_inc(uint16_t* cnt, int idx) {
 // Counting sort of lists * N (source, destination) pairs into CSR lists, one list per group of N pairs: pair i
 // belongs to list k = i / N, its source is i % N and its destination dest(i) (already in [0, N)); afterwards
 // src[k * N + off[k * (N + 1) + n] ...] up to the next offset are list k's sources of destination n. cnt is
-// scratch of lists * N 16-bit counters. All threads of the block call it, or (bar > 0) all nt threads of a group
-// of whole warps, thread tid of which calls it, synced on named barrier bar.
-__device__ __forceinline__ void sync_group(int bar, int nt) {
-  if (bar) asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(nt) : "memory");
-  else __syncthreads();
-}
+// scratch of lists * N 16-bit counters; all threads call it.
 
 template <typename DestFn>
-__device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint16_t* cnt, Idx* off, Idx* src,
-                                            int tid = threadIdx.x, int nt = blockDim.x, int bar = 0) {
-  const int total = lists * N;
+__device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint16_t* cnt, Idx* off, Idx* src) {
+  const int tid = threadIdx.x, nt = blockDim.x, total = lists * N;
   for (int i = tid; i < (total + 1) / 2; i += nt) reinterpret_cast<unsigned*>(cnt)[i] = 0u;
-  sync_group(bar, nt);
+  __syncthreads();
   for (int i = tid; i < total; i += nt) count_inc(cnt, (i / N) * N + dest(i));
-  sync_group(bar, nt);
+  __syncthreads();
   // exclusive scan of each list's N counters, one warp per list; lane l owns a contiguous run of E counters.
   // The counters then become the write cursors.
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
@@ -86,12 +80,12 @@ __device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint1
     }
     if (lane == 31) o[N] = static_cast<Idx>(inc);
   }
-  sync_group(bar, nt);
+  __syncthreads();
   for (int i = tid; i < total; i += nt) {
     const int k = i / N;
     src[k * N + count_inc(cnt, k * N + dest(i))] = static_cast<Idx>(i - k * N);
   }
-  sync_group(bar, nt);
+  __syncthreads();
 }
 
 constexpr int LH = 4;   // sources of a list read ahead into registers (the rest are read after the barrier)

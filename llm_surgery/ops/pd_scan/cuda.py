@@ -41,7 +41,7 @@ __all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
-_HEADERS = ("pd_scan.cuh", "pd_scan_gather.cuh", "pd_scan_cluster.cuh")
+_HEADERS = ("pd_scan.cuh", "pd_scan_gather.cuh")
 _MAX_N = 1024
 _REAL, _SPLIT, _CPLX = 0, 1, 2
 
@@ -161,7 +161,7 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3, "cluster": 4}
+_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3}
 
 
 def _algo_code(algo, S, L, N, bwd, bf16=False):
@@ -201,44 +201,10 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
-def _cluster_plan(ext, kind, bf16, S, L, N, chunk, sms):
-    """(T, cs, ns, ga, gr) of the cluster kernel: `_state["cluster_cfg"]` when set (benchmarks), else what measured
-    best on the H200 at B=32, N=128 (docs/bench/kernels.md, session 12): 8-step chunks (fewer while a CTA's shared
-    memory would pass 100 KB), 2 stages, one compose group, and the most CTAs per sequence (<= 16, <= chunks) that
-    keep about two CTAs per SM with every sequence's cluster resident at once."""
-    cfg = _state.get("cluster_cfg")
-    if cfg:
-        return cfg
-    T = int(chunk) if chunk else 8
-    while not chunk and T > 1 and ext.cluster_smem(kind, int(bf16), N, T, 2, 1, 1) > 100 * 1024:
-        T //= 2
-    C = -(-L // T)
-    cs = 1
-    while cs < 16 and 2 * cs <= C and S * 2 * cs <= 2 * sms and S <= ext.cluster_fit(kind, int(bf16), N, T, 2 * cs, 2, 1, 1):
-        cs *= 2
-    return T, cs, 2, 1, 1
-
-
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if code == _ALGOS["cluster"] and not bwd:
-        if N % 32 or N > 256:
-            raise ValueError(f"pd_scan CUDA: the cluster forward kernel takes N a multiple of 32 up to 256, got N={N}")
-        if any(p % 16 for p in ptrs[:5] if p):
-            raise ValueError("pd_scan CUDA: the cluster forward kernel needs 16-byte aligned inputs")
-        T, cs, ns, ga, gr = _cluster_plan(ext, kind, bf16, S, L, N, chunk, sms)
-        counter = torch.zeros(2, dtype=torch.int32, device=device)
-        prof = None
-        if _state.get("profile"):   # benchmarking aid: clock64 anatomy per CTA (pd_scan_cluster.cuh)
-            prof = torch.zeros(S * cs, 8, dtype=torch.int64, device=device)
-            _state["last_profile"] = (prof, S, cs, T)
-        p = list(ptrs) + [_ptr(x0c), 0, counter.data_ptr()] + [0] * 4 + [_ptr(prof)]
-        with torch.cuda.device(device):
-            ext.launch(kind, int(bf16), 0, p, [S, L, N, T, -(-L // T), code, cs, ns, ga, gr],
-                       torch.cuda.current_stream(device).cuda_stream)
-        return counter
     T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
@@ -254,7 +220,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof)]
     with torch.cuda.device(device):
-        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, 0, 0, 0, 0],
+        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code],
                    torch.cuda.current_stream(device).cuda_stream)
     return counter
 
