@@ -126,7 +126,7 @@ def default_mixer_options(kind: str, d_model: int) -> dict:
 
 
 # The CLI's defaults per kind beyond the paper setup (pdssm: preset, curriculum, one retry of a run that ends
-# unfit: Table 1, 29 seeds, 3 of 116 runs retried, 96.1% -> 97.0%); measurements in docs/bench/state_tracking.md.
+# unfit: Table 1, 29 seeds, 4 of 116 runs retried, 96.1% -> 97.2%); measurements in docs/bench/state_tracking.md.
 # The other kinds train exactly as in appendix B.1.
 KIND_DEFAULTS = {"pdssm": dict(curriculum_frac=0.3, retries=1)}
 
