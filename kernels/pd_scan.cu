@@ -587,22 +587,39 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       }
     }
   };
-  // out <- base + scatter(dest, val): lists threaded with atomicExch, one __syncwarp, then a gather
+  // out <- base + scatter(dest, val) as a gather over lists threaded with atomicExch (head[dest] <- m,
+  // nxt[m] <- old head). The lists depend on P alone, so a step's are built during the step before, after its
+  // __syncwarp: the atomics' latency stays off the chain (store w, __syncwarp, walk the lists). Buffers alternate
+  // by parity: a step uses `par`, builds the next step's lists in `par ^ 1`.
   int par = 0;
-  auto scatter_step = [&](const int (&dest)[E], const A (&val)[E], const A (&base)[E], A (&out)[E]) {
+  auto build = [&](int bp, const int (&dest)[E], int (&old)[E]) {   // issue the atomics (results used by `link`)
+    int* hd = head + bp * N;
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) old[j] = atomicExch(&hd[checked(dest[j])], lane + 32 * j);
+  };
+  auto link = [&](int bp, const int (&old)[E]) {
+    Idx* nx = nxt + bp * N;
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) nx[lane + 32 * j] = static_cast<Idx>(old[j]);
+  };
+  auto prebuild = [&](const int (&dest)[E]) {   // the lists of the step the next scatter_step call takes
+    int old[E];
+    build(par, dest, old);
+    link(par, old);
+  };
+  // has_next: build the lists of the following step, whose destinations are `next`
+  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], const int (&next)[E], bool has_next) {
     int* hd = head + par * N;
     Idx* nx = nxt + par * N;
     A* w = wbuf + par * N;
-    par ^= 1;
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int m = lane + 32 * j;
-      if (live(j)) {
-        nx[m] = static_cast<Idx>(atomicExch(&hd[checked(dest[j])], m));
-        w[m] = val[j];
-      }
-    }
+    for (int j = 0; j < E; ++j)
+      if (live(j)) w[lane + 32 * j] = val[j];
     __syncwarp();
+    int old[E];
+    if (has_next) build(par ^ 1, next, old);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int n = lane + 32 * j;
@@ -614,6 +631,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         out[j] = acc;
       }
     }
+    if (has_next) link(par ^ 1, old);
+    par ^= 1;
+  };
+  auto scatter_now = [&](const int (&dest)[E], const A (&val)[E], const A (&base)[E], A (&out)[E]) {
+    prebuild(dest);
+    scatter_step(val, base, out, dest, false);
   };
 
   const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
@@ -645,6 +668,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
     load_step(0, cur);
     if (Tc > 1) load_step(1, nx1);
+    prebuild(cur.p);
     for (int k = 0; k < Tc; ++k) {
       if (k + 2 < Tc) load_step(k + 2, nx2);
       Idx* pr = prow + par * N;   // the buffer parity scatter_step is about to use: its __syncwarp covers these
@@ -657,7 +681,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         }
         val[j] = cmul(cur.d[j], y[j]);
       }
-      scatter_step(cur.p, val, cur.b, y);
+      scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         d[j] = cmul(dr[pi[j]], d[j]);
@@ -714,7 +738,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         if (i0 + u < c) {
 #pragma unroll
           for (int j = 0; j < E; ++j) val[j] = cmul(db[u][j], st[j]);
-          scatter_step(pb[u], val, yb[u], st);
+          scatter_now(pb[u], val, yb[u], st);
         }
       }
     }
@@ -725,7 +749,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       val[j] = cmul(d[j], st[j]);
       x[j] = st[j];
     }
-    scatter_step(pi, val, y, inc);
+    scatter_now(pi, val, y, inc);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) incl[cbase + lane + 32 * j] = inc[j];
@@ -736,11 +760,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   // 3. replay from the entering state, writing x (inputs prefetched two steps ahead)
   load_step(0, cur);
   if (Tc > 1) load_step(1, nx1);
+  prebuild(cur.p);
   for (int k = 0; k < Tc; ++k) {
     if (k + 2 < Tc) load_step(k + 2, nx2);
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-    scatter_step(cur.p, val, cur.b, x);
+    scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
