@@ -329,6 +329,22 @@ __device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_f
   return ch;
 }
 
+// A block's start: thread 0 takes its ticket and initialises its staging mbarriers (null: none); after the
+// barrier every thread has the chunk, and probe 0 (the start) is written when profiling.
+__device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first, uint64_t* bar0 = nullptr,
+                                             uint64_t* bar1 = nullptr) {
+  __shared__ int s_ticket;
+  if (threadIdx.x == 0) {
+    s_ticket = atomicAdd(a.counter, 1);
+    if (bar0) mbar_init(bar0);
+    if (bar1) mbar_init(bar1);
+  }
+  __syncthreads();
+  const Chunk ch = chunk_of(a, s_ticket, last_first);
+  if (ch.prof && threadIdx.x == 0) ch.prof[0] = clock64();
+  return ch;
+}
+
 // Forward probes 1, 6, 7 once the chunk is staged: the time, "no look-back yet", and the SM it runs on.
 __device__ __forceinline__ void prof_staged(long long* prof) {
   prof[1] = clock64();
@@ -364,7 +380,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   using R = Arr<K, In>;
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_ticket, s_fast;
+  __shared__ int s_fast;
   const int N = a.N, T = a.T, C = a.C;
   const int Np = blockDim.x;
   const int m = threadIdx.x;
@@ -373,16 +389,10 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   int* flags = a.counter + 2;
 
   __shared__ uint64_t s_bar;
-  if (threadIdx.x == 0) {
-    s_ticket = atomicAdd(a.counter, 1);
-    mbar_init(&s_bar);
-  }
-  __syncthreads();
-  const Chunk ch = chunk_of(a, s_ticket, false);
+  const Chunk ch = claim_chunk(a, false, &s_bar);
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;   // optional timing probes
-  if (prof && threadIdx.x == 0) prof[0] = clock64();
 
   // shared layout: scatter buffers [2][W][Np] A | D planes | b planes | P
   constexpr int W = WPW > 0 ? WPW : 1;
@@ -536,12 +546,11 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   using R = Arr<K, In>;
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_ticket, s_fast;
+  __shared__ int s_fast;
   const int N = a.N, C = a.C;
   const int lane = threadIdx.x;
   int* err = a.counter + 1;
   int* flags = a.counter + 2;
-  if (lane == 0) s_ticket = atomicAdd(a.counter, 1);
   int* head = reinterpret_cast<int*>(smem);                                  // [2][N]
   Idx* nxt = reinterpret_cast<Idx*>(smem + align16(2 * N * 4));              // [2][N]
   A* wbuf = reinterpret_cast<A*>(smem + align16(2 * N * 4) + align16(2 * N * 2));   // [2][N]
@@ -549,12 +558,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   Idx* prow = reinterpret_cast<Idx*>(smem + align16(2 * N * 4) + align16(2 * N * 2) + align16(2 * N * (int)sizeof(A)));
   A* drow = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(prow) + align16(2 * N * 2));
   for (int i = lane; i < 2 * N; i += 32) head[i] = -1;
-  __syncthreads();
-  const Chunk ch = chunk_of(a, s_ticket, false);
+  const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;
-  if (prof && lane == 0) prof[0] = clock64();
   if (lane == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
   __syncthreads();
   const bool fast = s_fast;
@@ -790,7 +797,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_ticket, s_fast;
+  __shared__ int s_fast;
   const int N = a.N, T = a.T, C = a.C;
   const int Np = blockDim.x;
   const int m = threadIdx.x;
@@ -799,12 +806,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   int* flags = a.counter + 2;
 
   __shared__ uint64_t s_bar;
-  if (threadIdx.x == 0) {
-    s_ticket = atomicAdd(a.counter, 1);
-    mbar_init(&s_bar);
-  }
-  __syncthreads();
-  const Chunk ch = chunk_of(a, s_ticket, true);   // last chunk first
+  const Chunk ch = claim_chunk(a, true, &s_bar);   // last chunk first
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
 

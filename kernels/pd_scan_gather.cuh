@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(MAXT) PDK_GATHER_MAXNREG(MAXT) pd_fwd_gather_k
   using R = Arr<K, In>;
   using A = typename R::A;
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_ticket, s_fast;
+  __shared__ int s_fast;
   __shared__ uint64_t s_bar, s_barP;
   const int N = a.N, T = a.T, C = a.C;
   const int Np = blockDim.x;
@@ -110,17 +110,10 @@ __global__ void __launch_bounds__(MAXT) PDK_GATHER_MAXNREG(MAXT) pd_fwd_gather_k
   const bool act = m < N;
   int* err = a.counter + 1;
   int* flags = a.counter + 2;
-  if (threadIdx.x == 0) {
-    s_ticket = atomicAdd(a.counter, 1);
-    mbar_init(&s_bar);
-    mbar_init(&s_barP);
-  }
-  __syncthreads();
-  const Chunk ch = chunk_of(a, s_ticket, false);
+  const Chunk ch = claim_chunk(a, false, &s_bar, &s_barP);
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;
-  if (prof && threadIdx.x == 0) prof[0] = clock64();
 
   const GatherLayout<K, In> lay(N, T, Np);
   A* wbuf = reinterpret_cast<A*>(smem + lay.w);
