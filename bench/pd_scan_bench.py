@@ -232,11 +232,19 @@ def d2d_bandwidth():
     return max(tbs.values())
 
 
+PMODE = "random"   # --pmode: P of the timed inputs
+
+
 def inputs_for(kind, S, L, N, nsets):
-    """nsets independent input sets (rotated so that small sizes do not time the L2 cache)."""
+    """nsets independent input sets (rotated so that small sizes do not time the L2 cache). P uniform at random
+    (--pmode random: maps merge entries, so a chunk's composed map sends nearly all entries into a few) or a
+    random permutation per step (--pmode perm: nothing merges)."""
     sets = []
     for _ in range(nsets):
-        P = torch.randint(0, N, (S, L, N), device="cuda", dtype=torch.int16)
+        if PMODE == "perm":
+            P = torch.argsort(torch.rand(S, L, N, device="cuda"), dim=-1).to(torch.int16)
+        else:
+            P = torch.randint(0, N, (S, L, N), device="cuda", dtype=torch.int16)
         mag = 0.3 + 0.65 * torch.rand(S, L, N, device="cuda")
         if kind in ("f32", "bf16"):
             dt = torch.float32 if kind == "f32" else torch.bfloat16
@@ -336,7 +344,10 @@ def main():
     ap.add_argument("--check-algos", default="gather",
                     help="forward kernels that run every correctness case once more (comma list; '' for none)")
     ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
+    ap.add_argument("--pmode", default="random", choices=("random", "perm"), help="P of the timed inputs")
     args = ap.parse_args()
+    global PMODE
+    PMODE = args.pmode
     skip = set(args.skip.split(","))
     os.makedirs(args.out, exist_ok=True)
     res = {}
@@ -406,6 +417,7 @@ def main():
         say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
         say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64") for L in (2048, 16384)] + \
+                                [("warp", "c64", 16384, T) for T in (16, 32, 64)] + \
                                 [("gather", k, L, T) for k in ("split_f32", "c64", "split_bf16")
                                  for L, T in ((2048, None), (16384, None), (16384, 8))]:
             s = inputs_for(kind, S, L, N, 1)[0]

@@ -111,6 +111,10 @@ __device__ __forceinline__ float shfl_v(float v, int src) { return __shfl_sync(0
 __device__ __forceinline__ float2 shfl_v(float2 v, int src) {
   return make_float2(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src));
 }
+__device__ __forceinline__ float shfl_up_v(float v, int d) { return __shfl_up_sync(0xffffffffu, v, d); }
+__device__ __forceinline__ float2 shfl_up_v(float2 v, int d) {
+  return make_float2(__shfl_up_sync(0xffffffffu, v.x, d), __shfl_up_sync(0xffffffffu, v.y, d));
+}
 
 // Warps (= per-warp scatter buffers, a power of two <= 8) of the forward block for a state of N entries;
 // 0 = too large: one buffer with shared-memory atomics (compare-and-swap loops on sm_90), N + 31 & ~31 threads.
@@ -524,15 +528,31 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
 
 // ---------------------------------------------------------------- forward, one warp per chunk (N <= 32 E)
 // The scatter as a gather, one warp per (sequence, chunk), lane j-th entries m = lane + 32 j (E per lane).
-// A step: every lane threads its sources into per-destination lists (head[P[m]] <- m with integer
-// atomicExch, nxt[m] <- the previous head) and writes w[m] = D[m] x[m]; one __syncwarp; then each lane sums,
-// for its own destinations n, b[n] + w over n's list. No float atomics and no block barrier; the lists, w and
-// heads live in two alternating O(N) shared buffers (a buffer is rewritten two steps later, after every lane
-// passed the step in between), so shared memory does not grow with the chunk: many warps fit on an SM, which
-// is what hides the latency of a sequential recurrence. P, D, b are read from global memory (prefetched one
-// step ahead); the replay reads them again, mostly from L2.
+// A step: every lane has threaded its sources into per-destination lists (head[P[m]] <- m's slot with integer
+// atomicExch, the slot's link <- the previous head) and writes its slots' w[m] = D[m] x[m]; one __syncwarp;
+// then each lane sums, for its own destinations n, b[n] + w over n's list. No float atomics and no block
+// barrier; the lists depend on P alone, so a step's lists are built during the step before (after its
+// __syncwarp, into the other parity's buffers), off the recurrence's chain. A slot holds {w, link} together and
+// links are byte offsets, so a list hop is one shared load. Buffers alternate by parity and stay O(N), so many
+// warps fit on an SM, which is what hides the latency of a sequential recurrence. P, D, b are read from global
+// memory (prefetched two steps ahead); the replay reads them again.
+// Entries N..32E-1 are padding: D = b = 0 and P = a live entry, so they add exact zeros and need no guards
+// in shared memory.
+// A chunk's aggregate (column map pi, factor d, zero-state end y) merges entries heavily (random maps compose to
+// a few destinations), so it is published with its sources sorted by destination, and applying it is a
+// segmented sum across the warp: constant work however many entries merge (a list walk would be serial).
+template <typename A>
+struct alignas(2 * sizeof(A)) WarpSlot {   // list slot {w, link} or phase 1 row {D_k, P_k}
+  A v;
+  int link;
+};
+__host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries per lane, a power of two
+  const int e = (N + 31) / 32;
+  return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
+}
 __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
-  return align16(2 * N * 4) + 2 * align16(2 * N * 2) + 2 * align16(2 * N * asize);
+  const int M = 32 * warp_entries(N);
+  return 2 * M * 4 + 4 * M * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased by the scratch)
 }
 
 template <typename A, int E>
@@ -541,23 +561,87 @@ struct WarpStepIn {   // inputs of one step for a lane's E entries
   A d[E], b[E];
 };
 
+// Sorted form of a chunk's aggregate, as lane `lane` holds it: sorted positions k = lane E + i, key
+// (dest << 16 | source) (0xffff0000 past N: destination 0xffff, source 0, factor 0), and the source's factor.
+template <typename A, int E>
+struct SortedAgg {
+  int key[E];
+  A d[E];
+};
+
+// out[n] = y[n] + sum over m with pi[m] = n of d[m] st[m], with (pi, d) in sorted form. stv, res: [M] scratch.
+template <typename A, int E>
+__device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (&y)[E], const A (&st)[E],
+                                             A (&out)[E], A* stv, A* res, int lane) {
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    stv[lane + 32 * j] = st[j];
+    res[lane + 32 * j] = zero_v<A>();
+  }
+  __syncwarp();
+  A v[E];
+  int dst[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    dst[i] = static_cast<int>(static_cast<unsigned>(g.key[i]) >> 16);
+    v[i] = cmul(g.d[i], stv[g.key[i] & 0xffff]);   // past N: source 0 with factor 0
+  }
+#pragma unroll
+  for (int i = 1; i < E; ++i)
+    if (dst[i] == dst[i - 1]) v[i] = addv(v[i], v[i - 1]);
+  // across lanes: s_l = tail_l + (lane l's keys all continue lane l-1's last run ? s_{l-1} : 0)
+  const int prev_last = __shfl_up_sync(0xffffffffu, dst[E - 1], 1);
+  const bool open = lane > 0 && dst[0] == dst[E - 1] && dst[0] == prev_last;
+  A s = v[E - 1];
+  bool chain = open;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const A so = shfl_up_v(s, o);
+    const bool co = __shfl_up_sync(0xffffffffu, chain, o);
+    if (lane >= o && chain) {
+      s = addv(s, so);
+      chain = co;
+    }
+  }
+  A cin = shfl_up_v(s, 1);   // sum of the run that lane l's first keys continue
+  if (lane == 0 || dst[0] != prev_last) cin = zero_v<A>();
+  const int next_first = __shfl_down_sync(0xffffffffu, dst[0], 1);
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const bool end = (i + 1 < E) ? dst[i + 1] != dst[i] : (lane == 31 || next_first != dst[i]);
+    const A tot = dst[i] == dst[0] ? addv(v[i], cin) : v[i];
+    if (end && dst[i] != 0xffff) res[dst[i]] = tot;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < E; ++j) out[j] = addv(y[j], res[lane + 32 * j]);
+  __syncwarp();   // stv, res are reused by the next application
+}
+
 template <int K, typename In, int E>
 __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
+  using Slot = WarpSlot<A>;
+  constexpr int M = 32 * E;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_fast;
   const int N = a.N, C = a.C;
   const int lane = threadIdx.x;
+  const int pad = lane % N;   // where padding entries point
   int* err = a.counter + 1;
   int* flags = a.counter + 2;
-  int* head = reinterpret_cast<int*>(smem);                                  // [2][N]
-  Idx* nxt = reinterpret_cast<Idx*>(smem + align16(2 * N * 4));              // [2][N]
-  A* wbuf = reinterpret_cast<A*>(smem + align16(2 * N * 4) + align16(2 * N * 2));   // [2][N]
-  // phase 1's per-entry gathers P_k[pi], D_k[pi] read the step's rows from here (owners store them)
-  Idx* prow = reinterpret_cast<Idx*>(smem + align16(2 * N * 4) + align16(2 * N * 2) + align16(2 * N * (int)sizeof(A)));
-  A* drow = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(prow) + align16(2 * N * 2));
-  for (int i = lane; i < 2 * N; i += 32) head[i] = -1;
+  int* head = reinterpret_cast<int*>(smem);                     // [2][M]: byte offset of a list's first slot
+  constexpr int slots_at = 2 * M * 4;
+  Slot* slots = reinterpret_cast<Slot*>(smem + slots_at);       // [2][M]
+  Slot* rows = slots + 2 * M;                                   // [2][M]: phase 1's gathers P_k[pi], D_k[pi]
+  // after phase 1, the rows' space is scratch for the sorted aggregate and its applications
+  int* s_cnt = reinterpret_cast<int*>(rows);                    // [M] counts, then (aliased) res
+  A* s_res = reinterpret_cast<A*>(rows);
+  int* s_key = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(rows) + M * (int)max(sizeof(A), sizeof(int)));
+  A* s_d = reinterpret_cast<A*>(s_key + M);
+  A* s_st = s_d + M;
+  for (int i = lane; i < 2 * M; i += 32) head[i] = -1;
   const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
@@ -567,83 +651,78 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const bool fast = s_fast;
   if (prof && lane == 0) prof_staged(prof);
   auto live = [&](int j) { return 32 * j + lane < N; };
-  // P index checked where it is used (so that a prefetch stays a pure load): out of range -> 0 and `bad`,
-  // reported once at the end (a contract violation must not corrupt shared memory)
-  bool bad = false;
-  auto checked = [&](int v) {
-    const bool ok = static_cast<unsigned>(v) < static_cast<unsigned>(N);
-    bad |= !ok;
-    return ok ? v : 0;
-  };
-  auto gload = [&](const void* re, const void* im, size_t i) -> A {
-    if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(re) + i));
+  // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state, and the
+  // largest raw value kept to report a contract violation once at the end
+  unsigned pmax = 0;
+  // element j of a step's row: planes already offset to the lane's first entry of the row
+  auto gload = [&](const void* re, const void* im, int j) -> A {
+    if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(re) + 32 * j));
     else if constexpr (K == SPLIT)
-      return make_float2(to_f(__ldg(static_cast<const In*>(re) + i)), to_f(__ldg(static_cast<const In*>(im) + i)));
-    else return __ldg(static_cast<const float2*>(re) + i);
+      return make_float2(to_f(__ldg(static_cast<const In*>(re) + 32 * j)),
+                         to_f(__ldg(static_cast<const In*>(im) + 32 * j)));
+    else return __ldg(static_cast<const float2*>(re) + 32 * j);
+  };
+  auto plane = [&](const void* base, size_t i) -> const void* {
+    return static_cast<const unsigned char*>(base) + i * R::esize;
   };
   auto load_step = [&](int k, WarpStepIn<A, E>& s) {
+    const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
+    const Idx* pp = a.P + i0;
+    const void *dre = plane(a.a0_re, i0), *dim = K == SPLIT ? plane(a.a0_im, i0) : nullptr;
+    const void *bre = plane(a.a1_re, i0), *bim = K == SPLIT ? plane(a.a1_im, i0) : nullptr;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      if (live(j)) {
-        const size_t i = row0 + static_cast<size_t>(k) * N + lane + 32 * j;
-        s.p[j] = __ldg(a.P + i);
-        s.d[j] = gload(a.a0_re, a.a0_im, i);
-        s.b[j] = gload(a.a1_re, a.a1_im, i);
-      } else {
-        s.p[j] = 0;
-      }
+      const bool lv = live(j);
+      s.p[j] = lv ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
+      s.d[j] = lv ? gload(dre, dim, j) : zero_v<A>();
+      s.b[j] = lv ? gload(bre, bim, j) : zero_v<A>();
     }
   };
-  // out <- base + scatter(dest, val) as a gather over lists threaded with atomicExch (head[dest] <- m,
-  // nxt[m] <- old head). The lists depend on P alone, so a step's are built during the step before, after its
-  // __syncwarp: the atomics' latency stays off the chain (store w, __syncwarp, walk the lists). Buffers alternate
-  // by parity: a step uses `par`, builds the next step's lists in `par ^ 1`.
+  auto slot_off = [&](int bp, int m) { return slots_at + (bp * M + m) * (int)sizeof(Slot); };
   int par = 0;
-  auto build = [&](int bp, const int (&dest)[E], int (&old)[E]) {   // issue the atomics (results used by `link`)
-    int* hd = head + bp * N;
+  // the lists of a step whose destinations are `dest` (clamped here, in place), into parity bp's buffers:
+  // issue the atomics, then (link) store the old heads once they return
+  auto build = [&](int bp, int (&dest)[E], int (&old)[E]) {
+    int* hd = head + bp * M;
 #pragma unroll
-    for (int j = 0; j < E; ++j)
-      if (live(j)) old[j] = atomicExch(&hd[checked(dest[j])], lane + 32 * j);
+    for (int j = 0; j < E; ++j) {
+      pmax = max(pmax, static_cast<unsigned>(dest[j]));
+      dest[j] = min(static_cast<unsigned>(dest[j]), static_cast<unsigned>(N - 1));
+      old[j] = atomicExch(&hd[dest[j]], slot_off(bp, lane + 32 * j));
+    }
   };
   auto link = [&](int bp, const int (&old)[E]) {
-    Idx* nx = nxt + bp * N;
 #pragma unroll
-    for (int j = 0; j < E; ++j)
-      if (live(j)) nx[lane + 32 * j] = static_cast<Idx>(old[j]);
+    for (int j = 0; j < E; ++j) slots[bp * M + lane + 32 * j].link = old[j];
   };
-  auto prebuild = [&](const int (&dest)[E]) {   // the lists of the step the next scatter_step call takes
+  auto prebuild = [&](int (&dest)[E]) {   // the lists of the step the next scatter_step call takes
     int old[E];
     build(par, dest, old);
     link(par, old);
   };
-  // has_next: build the lists of the following step, whose destinations are `next`
-  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], const int (&next)[E], bool has_next) {
-    int* hd = head + par * N;
-    Idx* nx = nxt + par * N;
-    A* w = wbuf + par * N;
+  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
+  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
+    int* hd = head + par * M;
 #pragma unroll
-    for (int j = 0; j < E; ++j)
-      if (live(j)) w[lane + 32 * j] = val[j];
+    for (int j = 0; j < E; ++j) slots[par * M + lane + 32 * j].v = val[j];
     __syncwarp();
     int old[E];
     if (has_next) build(par ^ 1, next, old);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int n = lane + 32 * j;
-      if (live(j)) {
-        A acc = base[j];
-        int h = hd[n];
-        hd[n] = -1;
-        for (; h >= 0; h = nx[h]) acc = addv(acc, w[h]);
-        out[j] = acc;
+      A acc = base[j];
+      int h = hd[n];
+      hd[n] = -1;
+      while (h >= 0) {
+        const Slot s = *reinterpret_cast<const Slot*>(smem + h);
+        acc = addv(acc, s.v);
+        h = s.link;
       }
+      out[j] = acc;
     }
     if (has_next) link(par ^ 1, old);
     par ^= 1;
-  };
-  auto scatter_now = [&](const int (&dest)[E], const A (&val)[E], const A (&base)[E], A (&out)[E]) {
-    prebuild(dest);
-    scatter_step(val, base, out, dest, false);
   };
 
   const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
@@ -654,14 +733,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A x[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
-  WarpStepIn<A, E> cur, nx1, nx2;
+  WarpStepIn<A, E> s0, s1, s2;
   A val[E];
   if (fast) {
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int m = lane + 32 * j;
-      if (live(j)) x[j] = entering_state<A>(a, q, c, m);
-    }
+    for (int j = 0; j < E; ++j)
+      if (live(j)) x[j] = entering_state<A>(a, q, c, lane + 32 * j);
   } else {
     // 1. aggregate from a zero entering state: zero-state end y (the chain) and, per entering entry, where it
     //    ends up (pi) with which factor (d) (per-lane gathers, independent of the chain: they overlap it)
@@ -670,42 +747,92 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       y[j] = zero_v<A>();
-      d[j] = one_v<A>();
-      pi[j] = live(j) ? lane + 32 * j : 0;
+      d[j] = live(j) ? one_v<A>() : zero_v<A>();
+      pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    load_step(0, cur);
-    if (Tc > 1) load_step(1, nx1);
-    prebuild(cur.p);
-    for (int k = 0; k < Tc; ++k) {
+    auto step1 = [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, WarpStepIn<A, E>& nx2) {
       if (k + 2 < Tc) load_step(k + 2, nx2);
-      Idx* pr = prow + par * N;   // the buffer parity scatter_step is about to use: its __syncwarp covers these
-      A* dr = drow + par * N;
+      Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        if (live(j)) {
-          pr[lane + 32 * j] = static_cast<Idx>(cur.p[j]);
-          dr[lane + 32 * j] = cur.d[j];
-        }
+        rw[lane + 32 * j] = Slot{cur.d[j], cur.p[j]};
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        d[j] = cmul(dr[pi[j]], d[j]);
-        pi[j] = checked(pr[pi[j]]);
+        const Slot r = rw[pi[j]];
+        d[j] = cmul(r.v, d[j]);
+        pi[j] = r.link;
       }
-      cur = nx1;
-      nx1 = nx2;
+    };
+    load_step(0, s0);
+    if (Tc > 1) load_step(1, s1);
+    prebuild(s0.p);
+    for (int k = 0; k < Tc; ++k) {
+      step1(k, s0, s1, s2);
+      s0 = s1;
+      s1 = s2;
     }
+    __syncwarp();   // every lane's last gathers from the rows are done: their space becomes scratch
+    // sort the sources by destination (counting sort) and publish (key, d) in sorted order, y by destination
+#pragma unroll
+    for (int j = 0; j < E; ++j) s_cnt[lane + 32 * j] = 0;
+    __syncwarp();
+    int rank[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) rank[j] = live(j) ? atomicAdd(&s_cnt[pi[j]], 1) : 0;
+    __syncwarp();
+    int cnt[E], run = 0;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      cnt[i] = s_cnt[lane * E + i];
+      run += cnt[i];
+    }
+    int incl_run = run;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, incl_run, o);
+      if (lane >= o) incl_run += t;
+    }
+    int off = incl_run - run;
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      s_cnt[lane * E + i] = off;
+      off += cnt[i];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < E; ++i) {   // positions past N: no entry
+      s_key[lane * E + i] = static_cast<int>(0xffff0000u);
+      s_d[lane * E + i] = zero_v<A>();
+    }
+    __syncwarp();
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int m = lane + 32 * j;
       if (live(j)) {
-        a.agg_pi[cbase + m] = pi[j];
-        agg_d[cbase + m] = d[j];
-        agg_v[cbase + m] = y[j];
+        const int pos = s_cnt[pi[j]] + rank[j];
+        s_key[pos] = (pi[j] << 16) | m;
+        s_d[pos] = d[j];
       }
     }
+    __syncwarp();
+    SortedAgg<A, E> own;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int k = lane * E + i;
+      own.key[i] = s_key[k];
+      own.d[i] = s_d[k];
+      if (k < N) {
+        a.agg_pi[cbase + k] = own.key[i];
+        agg_d[cbase + k] = own.d[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) agg_v[cbase + lane + 32 * j] = y[j];
     publish_flag(flags + static_cast<size_t>(q) * C + c, 1);
     if (prof && lane == 0) prof[2] = clock64();
 
@@ -717,58 +844,48 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
     A st[E];
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int m = lane + 32 * j;
-      st[j] = live(j) ? entering_state<A>(a, q, jb + 1, m) : zero_v<A>();
-    }
+    for (int j = 0; j < E; ++j) st[j] = live(j) ? entering_state<A>(a, q, jb + 1, lane + 32 * j) : zero_v<A>();
     constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
     for (int i0 = jb + 1; i0 < c; i0 += LBW) {
-      int pb[LBW][E];
-      A db[LBW][E], yb[LBW][E];
+      SortedAgg<A, E> gb[LBW];
+      A yb[LBW][E];
 #pragma unroll
       for (int u = 0; u < LBW; ++u) {
+        const size_t rb = (static_cast<size_t>(q) * C + i0 + u) * N;
 #pragma unroll
-        for (int j = 0; j < E; ++j) {
-          pb[u][j] = 0;
-          db[u][j] = zero_v<A>();
-          yb[u][j] = zero_v<A>();
-          if (live(j) && i0 + u < c) {
-            const size_t ib = (static_cast<size_t>(q) * C + i0 + u) * N + lane + 32 * j;
-            pb[u][j] = __ldcg(a.agg_pi + ib);
-            db[u][j] = ldcg_v(agg_d + ib);
-            yb[u][j] = ldcg_v(agg_v + ib);
+        for (int i = 0; i < E; ++i) {
+          const int k = lane * E + i;
+          gb[u].key[i] = static_cast<int>(0xffff0000u);
+          gb[u].d[i] = zero_v<A>();
+          if (k < N && i0 + u < c) {
+            gb[u].key[i] = __ldcg(a.agg_pi + rb + k);
+            gb[u].d[i] = ldcg_v(agg_d + rb + k);
           }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < LBW; ++u) {
-        if (i0 + u < c) {
-#pragma unroll
-          for (int j = 0; j < E; ++j) val[j] = cmul(db[u][j], st[j]);
-          scatter_now(pb[u], val, yb[u], st);
+        for (int j = 0; j < E; ++j) {
+          yb[u][j] = zero_v<A>();
+          if (live(j) && i0 + u < c) yb[u][j] = ldcg_v(agg_v + rb + lane + 32 * j);
         }
       }
+#pragma unroll
+      for (int u = 0; u < LBW; ++u)
+        if (i0 + u < c) apply_sorted(gb[u], yb[u], st, st, s_st, s_res, lane);
     }
     // inclusive state at this chunk's end: y + scatter(pi, d * xin); x <- xin
     A inc[E];
+    apply_sorted(own, y, st, inc, s_st, s_res, lane);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      val[j] = cmul(d[j], st[j]);
       x[j] = st[j];
-    }
-    scatter_now(pi, val, y, inc);
-#pragma unroll
-    for (int j = 0; j < E; ++j)
       if (live(j)) incl[cbase + lane + 32 * j] = inc[j];
+    }
     publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  // 3. replay from the entering state, writing x (inputs prefetched two steps ahead)
-  load_step(0, cur);
-  if (Tc > 1) load_step(1, nx1);
-  prebuild(cur.p);
-  for (int k = 0; k < Tc; ++k) {
+  // 3. replay from the entering state, writing x (inputs prefetched two steps ahead, unrolled as phase 1)
+  auto step3 = [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, WarpStepIn<A, E>& nx2) {
     if (k + 2 < Tc) load_step(k + 2, nx2);
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
@@ -776,8 +893,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-    cur = nx1;
-    nx1 = nx2;
+  };
+  load_step(0, s0);
+  if (Tc > 1) load_step(1, s1);
+  prebuild(s0.p);
+  for (int k = 0; k < Tc; ++k) {
+    step3(k, s0, s1, s2);
+    s0 = s1;
+    s1 = s2;
   }
   if (fast) {
 #pragma unroll
@@ -785,7 +908,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       if (live(j)) incl[cbase + lane + 32 * j] = x[j];
     publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
   }
-  if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(err, 1);
+  if (__any_sync(0xffffffffu, pmax >= static_cast<unsigned>(N)) && lane == 0) atomicOr(err, 1);
   if (prof && lane == 0) prof[5] = clock64();
 }
 

@@ -110,8 +110,10 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 512, 1024, 32, False) == 2     # many sequences
     assert cuda._algo_code("auto", 32, 4096, 256, False) == 2     # large state
     assert cuda._algo_code("auto", 64, 4096, 128, False) == 2     # 2^18 sequence-steps over >= 64 sequences
-    assert cuda._algo_code("auto", 32, 8192, 128, False) == 3     # too few warps: the gather kernel
-    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 3   # bf16 inputs, N >= 128: gather
+    assert cuda._algo_code("auto", 32, 8192, 128, False) == 2     # 2^18 sequence-steps
+    assert cuda._algo_code("auto", 32, 512, 128, False) == 3      # too few warps: the gather kernel
+    assert cuda._algo_code("auto", 32, 8192, 128, False, bf16=True) == 3    # bf16 inputs, N >= 128: gather ...
+    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 2   # ... unless 2^19 sequence-steps
     assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block
     assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # ... unless tiny and many
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
