@@ -344,6 +344,7 @@ def main():
     ap.add_argument("--check-algos", default="gather",
                     help="forward kernels that run every correctness case once more (comma list; '' for none)")
     ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
+    ap.add_argument("--sweep-L", default="2048,16384", help="sequence lengths of the chunk sweep (comma list)")
     ap.add_argument("--pmode", default="random", choices=("random", "perm"), help="P of the timed inputs")
     args = ap.parse_args()
     global PMODE
@@ -402,7 +403,7 @@ def main():
         say("| kind | L | dir | " + " | ".join(f"T={T}" for T in Ts) + " |")
         say("|---|---|---|" + "---|" * len(Ts))
         for kind in ("split_f32", "split_bf16", "c64", "f32"):
-            for L in (2048, 16384):
+            for L in (int(v) for v in args.sweep_L.split(",")):
                 for which in ("fwd",):
                     cells = []
                     for T in Ts:

@@ -555,6 +555,13 @@ __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
   return 2 * M * 4 + 4 * M * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased by the scratch)
 }
 
+// Ask for the line holding byte `lane * 128` of a row of `bytes` bytes (<= 4 KB) to be brought into L2: a warp
+// covers the row with one instruction, and the later register loads of that row find it there.
+__device__ __forceinline__ void l2_prefetch_row(const void* row, int bytes, int lane) {
+  if (lane * 128 < bytes + 127)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(row) + min(lane * 128, bytes - 1)));
+}
+
 template <typename A, int E>
 struct WarpStepIn {   // inputs of one step for a lane's E entries
   int p[E];
@@ -666,6 +673,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     return static_cast<const unsigned char*>(base) + i * R::esize;
   };
   auto load_step = [&](int k, WarpStepIn<A, E>& s) {
+    // bf16 rows are prefetched into L2 three steps before their loads (measured: 5-9% faster; the fp32 forms,
+    // whose rows are twice as large, ran 2-60% slower with it)
+    constexpr int l2_ahead = sizeof(In) == 2 ? 3 : 0;
+    if (l2_ahead > 0 && k + l2_ahead < Tc) {
+      const size_t ip = row0 + static_cast<size_t>(k + l2_ahead) * N;
+      l2_prefetch_row(a.P + ip, N * 2, lane);
+      l2_prefetch_row(plane(a.a0_re, ip), N * R::esize, lane);
+      l2_prefetch_row(plane(a.a1_re, ip), N * R::esize, lane);
+      if constexpr (K == SPLIT) {
+        l2_prefetch_row(plane(a.a0_im, ip), N * R::esize, lane);
+        l2_prefetch_row(plane(a.a1_im, ip), N * R::esize, lane);
+      }
+    }
     const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
     const Idx* pp = a.P + i0;
     const void *dre = plane(a.a0_re, i0), *dim = K == SPLIT ? plane(a.a0_im, i0) : nullptr;

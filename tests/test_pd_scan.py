@@ -112,8 +112,8 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 64, 4096, 128, False) == 2     # 2^18 sequence-steps over >= 64 sequences
     assert cuda._algo_code("auto", 32, 8192, 128, False) == 2     # 2^18 sequence-steps
     assert cuda._algo_code("auto", 32, 512, 128, False) == 3      # too few warps: the gather kernel
-    assert cuda._algo_code("auto", 32, 8192, 128, False, bf16=True) == 3    # bf16 inputs, N >= 128: gather ...
-    assert cuda._algo_code("auto", 32, 16384, 128, False, bf16=True) == 2   # ... unless 2^19 sequence-steps
+    assert cuda._algo_code("auto", 32, 2048, 128, False, bf16=True) == 3    # bf16 inputs, N >= 128: gather ...
+    assert cuda._algo_code("auto", 32, 8192, 128, False, bf16=True) == 2    # ... unless 2^18 sequence-steps
     assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block
     assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # ... unless tiny and many
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
@@ -141,7 +141,7 @@ def test_cuda_default_chunk_without_a_gpu():
     def chunk(S, L, N, algo, bwd=False, per=20):
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
 
-    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 256   # ~L/32 in [16, 256]
+    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [16, 128]
     assert chunk(32, 100, 128, warp) == 16
     assert chunk(1, 16384, 128, warp) == 16          # too few warps per SM: shorter chunks
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB

@@ -177,7 +177,7 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
             return 1
         if bf16:
             if N >= 128:
-                return 2 if S >= 64 or N >= 256 or S * L >= 1 << 19 else 3
+                return 2 if S >= 64 or N >= 256 or S * L >= 1 << 18 else 3
             return 2 if N < 32 and S * L >= 1 << 19 else 1
         return 2 if S * L >= 1 << 15 or N >= 256 else 3
     return _ALGOS[algo]
@@ -187,10 +187,11 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Staged kernels (block, gather, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget (64 KB; gather 56 KB, whose lists also grow with the chunk) and >= 4 blocks per
     SM, not below 4 steps for the block kernels unless over 200 KB. Warp kernel (one warp per block, shared memory
-    independent of the chunk): about L/32 steps in [16, 256] (fewer, longer chunks shorten the look-back; chunk
-    sweep in docs/bench/kernels.md), halved while there are fewer than 4 warps per SM."""
+    independent of the chunk): about L/32 steps in [16, 128] (fewer, longer chunks shorten the look-back, shorter
+    ones put more warps on an SM; chunk sweep in docs/bench/kernels.md), halved while there are fewer than 4 warps
+    per SM."""
     if not bwd and algo == _ALGOS["warp"]:
-        T = 1 << max(4, min(8, (max(L, 1) // 32).bit_length() - 1))
+        T = 1 << max(4, min(7, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
         return T
