@@ -114,7 +114,8 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 32, 512, 128, False) == 3      # too few warps: the gather kernel
     assert cuda._algo_code("auto", 32, 2048, 128, False, bf16=True) == 3    # bf16 inputs, N >= 128: gather ...
     assert cuda._algo_code("auto", 32, 8192, 128, False, bf16=True) == 2    # ... unless 2^18 sequence-steps
-    assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block
+    assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block ...
+    assert cuda._algo_code("auto", 256, 4096, 64, False, bf16=True) == 2    # ... but N=64 over 2^20 steps: warp
     assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # ... unless tiny and many
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
     assert cuda._algo_code("block", 512, 4096, 32, False) == 1

@@ -170,7 +170,7 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
-    if algo == "auto":   # the fastest kernel at every shape measured on the H100 (docs/bench/kernels.md):
+    if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/bench/kernels.md):
         # the warp kernel when there are enough sequence-steps to fill the GPU with warps; the gather kernel
         # (staged chunk, reads the inputs once) for fewer; the block kernel for N > 256 and small bf16 states
         if N > 256:
@@ -178,7 +178,7 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
         if bf16:
             if N >= 128:
                 return 2 if S >= 64 or N >= 256 or S * L >= 1 << 18 else 3
-            return 2 if N < 32 and S * L >= 1 << 19 else 1
+            return 2 if (N < 32 and S * L >= 1 << 19) or (N >= 64 and S * L >= 1 << 20) else 1
         return 2 if S * L >= 1 << 15 or N >= 256 else 3
     return _ALGOS[algo]
 
