@@ -755,6 +755,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
   WarpStepIn<A, E> s0, s1, s2;
   A val[E];
+  // the chunk's Tc steps in order, each step's inputs loaded two steps ahead and its lists built one step ahead:
+  // step(k, inputs of step k, inputs of step k + 1)
+  auto for_each_step = [&](auto&& step) {
+    load_step(0, s0);
+    if (Tc > 1) load_step(1, s1);
+    prebuild(s0.p);
+    for (int k = 0; k < Tc; ++k) {
+      if (k + 2 < Tc) load_step(k + 2, s2);
+      step(k, s0, s1);
+      s0 = s1;
+      s1 = s2;
+    }
+  };
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
@@ -770,8 +783,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    auto step1 = [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, WarpStepIn<A, E>& nx2) {
-      if (k + 2 < Tc) load_step(k + 2, nx2);
+    for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
@@ -785,15 +797,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         d[j] = cmul(r.v, d[j]);
         pi[j] = r.link;
       }
-    };
-    load_step(0, s0);
-    if (Tc > 1) load_step(1, s1);
-    prebuild(s0.p);
-    for (int k = 0; k < Tc; ++k) {
-      step1(k, s0, s1, s2);
-      s0 = s1;
-      s1 = s2;
-    }
+    });
     __syncwarp();   // every lane's last gathers from the rows are done: their space becomes scratch
     // sort the sources by destination (counting sort) and publish (key, d) in sorted order, y by destination
 #pragma unroll
@@ -904,24 +908,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  // 3. replay from the entering state, writing x (inputs prefetched two steps ahead, unrolled as phase 1)
-  auto step3 = [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, WarpStepIn<A, E>& nx2) {
-    if (k + 2 < Tc) load_step(k + 2, nx2);
+  // 3. replay from the entering state, writing x
+  for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
     scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-  };
-  load_step(0, s0);
-  if (Tc > 1) load_step(1, s1);
-  prebuild(s0.p);
-  for (int k = 0; k < Tc; ++k) {
-    step3(k, s0, s1, s2);
-    s0 = s1;
-    s1 = s2;
-  }
+  });
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
