@@ -4,9 +4,9 @@
 
 Sections: environment; build time; correctness against a float64 loop (fresh random inputs, poisoned outputs,
 L in {1,127,128,129,4096,16384}, N in {16,64,128,256}, collision-heavy P, small chunks to stress the look-back);
-D2D copy bandwidth; forward/backward times and achieved must-move bandwidth at B=32, N=128; chunk sweep;
-per-block clock64 anatomy of the forward; PyTorch associative-scan baseline. Prints tables and writes them (plus
-a JSON) under --out (default $OUT). Results: docs/bench/kernels.md.
+D2D copy bandwidth, and a copy of each forward size (the small-size ceiling); forward/backward times and achieved
+must-move bandwidth at B=32, N=128; chunk sweep; per-block clock64 anatomy of the forward; PyTorch associative-scan
+baseline. Prints tables and writes them (plus a JSON) under --out (default $OUT). Results: docs/bench/kernels.md.
 """
 
 from __future__ import annotations
@@ -235,6 +235,20 @@ def d2d_bandwidth():
 PMODE = "random"   # --pmode: P of the timed inputs
 
 
+def copy_at_size(nbytes):
+    """ms of a device-to-device copy moving `nbytes` (half read, half written), input sets rotated as in
+    time_kind: the ceiling that any kernel moving that many bytes meets at small sizes (launch, ramp-up)."""
+    n = max(1, nbytes // 8)   # fp32 elements read (and as many written)
+    nsets = max(1, min(8, math.ceil(256e6 / nbytes)))
+    pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(nsets)]
+
+    def all_sets():
+        for a, b in pairs:
+            torch.mul(a, 1.0, out=b)
+    ms, _ = bench_ms(all_sets, reps=50)
+    return ms / nsets
+
+
 def inputs_for(kind, S, L, N, nsets):
     """nsets independent input sets (rotated so that small sizes do not time the L2 cache). P uniform at random
     (--pmode random: maps merge entries, so a chunk's composed map sends nearly all entries into a few) or a
@@ -339,8 +353,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,fwd,fwd-block,fwd-gather,bwd,"
-                    "algo,sweep,prof,b192,base")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,copy,fwd,fwd-block,fwd-gather,"
+                    "bwd,algo,sweep,prof,b192,base")
     ap.add_argument("--check-algos", default="gather",
                     help="forward kernels that run every correctness case once more (comma list; '' for none)")
     ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
@@ -370,6 +384,19 @@ def main():
     S, N = 32, 128
     Ls = [128, 512, 2048, 8192, 16384]
     kinds = ["split_f32", "split_bf16", "c64", "f32", "bf16"]
+    if "copy" not in skip:
+        say(f"\n## a copy kernel moving the forward's must-move bytes (B={S}, N={N}): ms and fraction of the 1 GiB "
+            "copy bandwidth, the ceiling for any kernel of that size")
+        say("| kind | " + " | ".join(f"L={L}" for L in Ls) + " |")
+        say("|---|" + "---|" * len(Ls))
+        for kind in ("c64", "split_bf16"):
+            cells = []
+            for L in Ls:
+                must = S * L * N * (2 + 3 * ELEM[kind])
+                ms = copy_at_size(must)
+                res[f"copy/{kind}/{L}"] = dict(ms=ms, frac=must / (ms * 1e-3) / 1e12 / bw)
+                cells.append(f"{ms:.4f} ms ({100 * must / (ms * 1e-3) / 1e12 / bw:.0f}%)")
+            say(f"| {kind} | " + " | ".join(cells) + " |")
     for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
             continue
