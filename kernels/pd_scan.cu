@@ -111,6 +111,15 @@ __device__ __forceinline__ float shfl_v(float v, int src) { return __shfl_sync(0
 __device__ __forceinline__ float2 shfl_v(float2 v, int src) {
   return make_float2(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src));
 }
+// Sum of v over lanes 0..lane of the (full) warp.
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int t = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += t;
+  }
+  return v;
+}
 __device__ __forceinline__ float shfl_up_v(float v, int d) { return __shfl_up_sync(0xffffffffu, v, d); }
 __device__ __forceinline__ float2 shfl_up_v(float2 v, int d) {
   return make_float2(__shfl_up_sync(0xffffffffu, v.x, d), __shfl_up_sync(0xffffffffu, v.y, d));
@@ -813,13 +822,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       cnt[i] = s_cnt[lane * E + i];
       run += cnt[i];
     }
-    int incl_run = run;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, incl_run, o);
-      if (lane >= o) incl_run += t;
-    }
-    int off = incl_run - run;
+    int off = warp_inclusive_sum(run, lane) - run;
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < E; ++i) {
@@ -1112,12 +1115,12 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   const int Np = (bwd || algo == 3) ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
   const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
-  const int E = (a.N + 31) / 32;
+  const int E = warp_entries(a.N);
   // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
   // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane, 10/11 gather-list forward (blocks <= 256 / 1024)
   const int v = bwd ? 0
               : algo == 3 ? (Np <= 256 ? 10 : 11)
-              : algo == 2 ? (E <= 1 ? 6 : E <= 2 ? 7 : E <= 4 ? 8 : 9)
+              : algo == 2 ? (E == 1 ? 6 : E == 2 ? 7 : E == 4 ? 8 : 9)
                           : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
   void (*kern)(ScanArgs) = v == 0 ? pd_bwd_kernel<K, In>
                          : v == 1 ? pd_fwd_kernel<K, In, 1>

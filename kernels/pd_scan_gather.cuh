@@ -65,12 +65,7 @@ __device__ __forceinline__ void build_lists(int lists, int N, DestFn dest, uint1
     const int lo = lane * E, hi = min(lo + E, N);
     int s = 0;
     for (int n = lo; n < hi; ++n) s += c[n];
-    int inc = s;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int t = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += t;
-    }
+    const int inc = warp_inclusive_sum(s, lane);
     int run = inc - s;
     for (int n = lo; n < hi; ++n) {
       const int v = c[n];
