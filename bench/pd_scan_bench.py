@@ -235,11 +235,21 @@ def d2d_bandwidth():
 PMODE = "random"   # --pmode: P of the timed inputs
 
 
+def must_bytes(kind, S, L, N, which="fwd"):
+    """Bytes the forward (P, D, b in; x out) or backward (P, D, x, grad_x in; grad_D, grad_b out) must move."""
+    return S * L * N * (2 + (3 if which == "fwd" else 5) * ELEM[kind])
+
+
+def rotations(nbytes):
+    """Input sets to rotate through so that one timing touches >= 256 MB (small sizes must not time the L2)."""
+    return max(1, min(8, math.ceil(256e6 / nbytes)))
+
+
 def copy_at_size(nbytes):
     """ms of a device-to-device copy moving `nbytes` (half read, half written), input sets rotated as in
     time_kind: the ceiling that any kernel moving that many bytes meets at small sizes (launch, ramp-up)."""
     n = max(1, nbytes // 8)   # fp32 elements read (and as many written)
-    nsets = max(1, min(8, math.ceil(256e6 / nbytes)))
+    nsets = rotations(nbytes)
     pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(nsets)]
 
     def all_sets():
@@ -294,10 +304,8 @@ def bwd_fn(kind, s, chunk):
 
 
 def time_kind(kind, S, L, N, chunk=None, which="fwd", algo="auto"):
-    e = ELEM[kind]
-    elems = S * L * N
-    must = elems * (2 + 3 * e) if which == "fwd" else elems * (2 + 5 * e)
-    nsets = max(1, min(8, math.ceil(256e6 / must)))
+    must = must_bytes(kind, S, L, N, which)
+    nsets = rotations(must)
     sets = inputs_for(kind, S, L, N, nsets)
     fns = [fwd_fn(kind, s, chunk, algo) if which == "fwd" else bwd_fn(kind, s, chunk) for s in sets]
 
@@ -392,7 +400,7 @@ def main():
         for kind in ("c64", "split_bf16"):
             cells = []
             for L in Ls:
-                must = S * L * N * (2 + 3 * ELEM[kind])
+                must = must_bytes(kind, S, L, N)
                 ms = copy_at_size(must)
                 res[f"copy/{kind}/{L}"] = dict(ms=ms, frac=must / (ms * 1e-3) / 1e12 / bw)
                 cells.append(f"{ms:.4f} ms ({100 * must / (ms * 1e-3) / 1e12 / bw:.0f}%)")
