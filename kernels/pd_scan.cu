@@ -541,8 +541,11 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
 // atomicExch, the slot's link <- the previous head) and writes its slots' w[m] = D[m] x[m]; one __syncwarp;
 // then each lane sums, for its own destinations n, b[n] + w over n's list. No float atomics and no block
 // barrier; the lists depend on P alone, so a step's lists are built during the step before (after its
-// __syncwarp, into the other parity's buffers), off the recurrence's chain. A slot holds {w, link} together and
-// links are byte offsets, so a list hop is one shared load. Buffers alternate by parity and stay O(N), so many
+// __syncwarp, into the other parity's buffers), off the recurrence's chain. A slot holds {w, link} together,
+// written with one 16-byte store (the link waits in a register from the build), and links are byte offsets, so
+// a list hop is one shared load. A lane walks its E lists side by side, so a step's chain is the longest list
+// rather than the sum of E; every list ends in a null slot {0, itself} that ended lists keep loading (one
+// broadcast address, no branch per list). Buffers alternate by parity and stay O(N), so many
 // warps fit on an SM, which is what hides the latency of a sequential recurrence. P, D, b are read from global
 // memory (prefetched two steps ahead); the replay reads them again.
 // Entries N..32E-1 are padding: D = b = 0 and P = a live entry, so they add exact zeros and need no guards
@@ -561,7 +564,7 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
 }
 __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
   const int M = 32 * warp_entries(N);
-  return 2 * M * 4 + 4 * M * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased by the scratch)
+  return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
 }
 
 // Ask for the line holding byte `lane * 128` of a row of `bytes` bytes (<= 4 KB) to be brought into L2: a warp
@@ -569,6 +572,15 @@ __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
 __device__ __forceinline__ void l2_prefetch_row(const void* row, int bytes, int lane) {
   if (lane * 128 < bytes + 127)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(row) + min(lane * 128, bytes - 1)));
+}
+
+// A slot written whole, padding included: one 16-byte (real A: 8-byte) shared store, where the two fields as
+// written separately took two stores and twice the shared-memory wavefronts
+__device__ __forceinline__ void put_slot(WarpSlot<float2>* p, float2 v, int link) {
+  *reinterpret_cast<int4*>(p) = make_int4(__float_as_int(v.x), __float_as_int(v.y), link, 0);
+}
+__device__ __forceinline__ void put_slot(WarpSlot<float>* p, float v, int link) {
+  *reinterpret_cast<int2*>(p) = make_int2(__float_as_int(v), link);
 }
 
 template <typename A, int E>
@@ -657,7 +669,9 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   int* s_key = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(rows) + M * (int)max(sizeof(A), sizeof(int)));
   A* s_d = reinterpret_cast<A*>(s_key + M);
   A* s_st = s_d + M;
-  for (int i = lane; i < 2 * M; i += 32) head[i] = -1;
+  const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
+  for (int i = lane; i < 2 * M; i += 32) head[i] = NUL;
+  if (lane == 0) put_slot(reinterpret_cast<Slot*>(smem + NUL), zero_v<A>(), NUL);
   const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
@@ -709,8 +723,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   };
   auto slot_off = [&](int bp, int m) { return slots_at + (bp * M + m) * (int)sizeof(Slot); };
   int par = 0;
-  // the lists of a step whose destinations are `dest` (clamped here, in place), into parity bp's buffers:
-  // issue the atomics, then (link) store the old heads once they return
+  // the lists of a step whose destinations are `dest` (clamped here, in place), into parity bp's buffers; the
+  // old heads the atomics return are the links of this lane's slots, stored with the slots' values
   auto build = [&](int bp, int (&dest)[E], int (&old)[E]) {
     int* hd = head + bp * M;
 #pragma unroll
@@ -720,37 +734,37 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       old[j] = atomicExch(&hd[dest[j]], slot_off(bp, lane + 32 * j));
     }
   };
-  auto link = [&](int bp, const int (&old)[E]) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) slots[bp * M + lane + 32 * j].link = old[j];
-  };
-  auto prebuild = [&](int (&dest)[E]) {   // the lists of the step the next scatter_step call takes
-    int old[E];
-    build(par, dest, old);
-    link(par, old);
-  };
+  int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
+  auto prebuild = [&](int (&dest)[E]) { build(par, dest, lk); };   // the lists of the next scatter_step call
   // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
   auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
     int* hd = head + par * M;
 #pragma unroll
-    for (int j = 0; j < E; ++j) slots[par * M + lane + 32 * j].v = val[j];
+    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
     __syncwarp();
-    int old[E];
-    if (has_next) build(par ^ 1, next, old);
+    if (has_next) build(par ^ 1, next, lk);
+    // the E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
+    int h[E];
+    A acc[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      const int n = lane + 32 * j;
-      A acc = base[j];
-      int h = hd[n];
-      hd[n] = -1;
-      while (h >= 0) {
-        const Slot s = *reinterpret_cast<const Slot*>(smem + h);
-        acc = addv(acc, s.v);
-        h = s.link;
-      }
-      out[j] = acc;
+      acc[j] = base[j];
+      h[j] = hd[lane + 32 * j];
+      hd[lane + 32 * j] = NUL;
     }
-    if (has_next) link(par ^ 1, old);
+    bool more = true;
+    while (more) {
+      more = false;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const Slot s = *reinterpret_cast<const Slot*>(smem + h[j]);
+        acc[j] = addv(acc[j], s.v);
+        h[j] = s.link;
+        more |= h[j] != NUL;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) out[j] = acc[j];
     par ^= 1;
   };
 
@@ -796,7 +810,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        rw[lane + 32 * j] = Slot{cur.d[j], cur.p[j]};
+        put_slot(rw + lane + 32 * j, cur.d[j], cur.p[j]);
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
