@@ -109,14 +109,13 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 32, 16384, 128, False) == 2    # long sequences: the warp kernel
     assert cuda._algo_code("auto", 512, 1024, 32, False) == 2     # many sequences
     assert cuda._algo_code("auto", 32, 4096, 256, False) == 2     # large state
-    assert cuda._algo_code("auto", 64, 4096, 128, False) == 2     # 2^18 sequence-steps over >= 64 sequences
-    assert cuda._algo_code("auto", 32, 8192, 128, False) == 2     # 2^18 sequence-steps
-    assert cuda._algo_code("auto", 32, 512, 128, False) == 3      # too few warps: the gather kernel
-    assert cuda._algo_code("auto", 32, 2048, 128, False, bf16=True) == 3    # bf16 inputs, N >= 128: gather ...
-    assert cuda._algo_code("auto", 32, 8192, 128, False, bf16=True) == 2    # ... unless 2^18 sequence-steps
-    assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # small bf16 states: block ...
-    assert cuda._algo_code("auto", 256, 4096, 64, False, bf16=True) == 2    # ... but N=64 over 2^20 steps: warp
-    assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # ... unless tiny and many
+    assert cuda._algo_code("auto", 32, 128, 128, False) == 2      # and few, short sequences
+    assert cuda._algo_code("auto", 32, 512, 128, False, bf16=True) == 2     # bf16 inputs too ...
+    assert cuda._algo_code("auto", 512, 4096, 32, False, bf16=True) == 1    # ... but bf16 N=32-63 over 2^19
+    assert cuda._algo_code("auto", 512, 1024, 48, False, bf16=True) == 1    # sequence-steps: the block kernel
+    assert cuda._algo_code("auto", 32, 128, 32, False, bf16=True) == 2      # (not over fewer)
+    assert cuda._algo_code("auto", 256, 4096, 64, False, bf16=True) == 2    # N=64: warp
+    assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # N=16: warp
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
     assert cuda._algo_code("block", 512, 4096, 32, False) == 1
     assert cuda._algo_code("gather", 32, 100, 1000, False) == 3   # the gather-list kernel takes any N <= 1024
@@ -142,8 +141,8 @@ def test_cuda_default_chunk_without_a_gpu():
     def chunk(S, L, N, algo, bwd=False, per=20):
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
 
-    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [16, 128]
-    assert chunk(32, 100, 128, warp) == 16
+    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
+    assert chunk(32, 100, 128, warp) == 8 and chunk(32, 512, 128, warp) == 16
     assert chunk(1, 16384, 128, warp) == 16          # too few warps per SM: shorter chunks
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...

@@ -171,15 +171,11 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
     if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/bench/kernels.md):
-        # the warp kernel when there are enough sequence-steps to fill the GPU with warps; the gather kernel
-        # (staged chunk, reads the inputs once) for fewer; the block kernel for N > 256 and small bf16 states
-        if N > 256:
+        # the warp kernel up to N = 256, but for bf16 states of 32-63 entries over many sequence-steps, where the
+        # block kernel is 1-4% faster; the block kernel for N > 256
+        if N > 256 or (bf16 and 32 <= N < 64 and S * L >= 1 << 19):
             return 1
-        if bf16:
-            if N >= 128:
-                return 2 if S >= 64 or N >= 256 or S * L >= 1 << 18 else 3
-            return 2 if (N < 32 and S * L >= 1 << 19) or (N >= 64 and S * L >= 1 << 20) else 1
-        return 2 if S * L >= 1 << 15 or N >= 256 else 3
+        return 2
     return _ALGOS[algo]
 
 
@@ -187,11 +183,11 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Staged kernels (block, gather, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget (64 KB; gather 56 KB, whose lists also grow with the chunk) and >= 4 blocks per
     SM, not below 4 steps for the block kernels unless over 200 KB. Warp kernel (one warp per block, shared memory
-    independent of the chunk): about L/32 steps in [16, 128] (fewer, longer chunks shorten the look-back, shorter
-    ones put more warps on an SM; chunk sweep in docs/bench/kernels.md), halved while there are fewer than 4 warps
-    per SM."""
+    independent of the chunk): about L/32 steps in [8, 128] (fewer, longer chunks shorten the look-back, shorter
+    ones put more warps on an SM; chunk sweep in docs/bench/kernels.md), halved down to 16 while there are fewer
+    than 4 warps per SM."""
     if not bwd and algo == _ALGOS["warp"]:
-        T = 1 << max(4, min(7, (max(L, 1) // 32).bit_length() - 1))
+        T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
         return T
