@@ -421,19 +421,20 @@ def main():
                 cells.append(f"{ms:.4f} ms, {tbs:.2f} ({100 * tbs / bw:.0f}%)")
             say(f"| {kind} | " + " | ".join(cells) + " |")
     if "algo" not in skip:
-        say("\n## forward kernels at layer-like shapes (default chunk): ms")
+        say("\n## forward kernels at layer-like and small shapes (default chunk): ms")
         say("| kind | sequences | L | N | warp | block | gather | fastest |")
         say("|---|---|---|---|---|---|---|---|")
         for kind in ("c64", "split_bf16"):
             for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128),
-                               (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512)):
+                               (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512), (32, 128, 32), (32, 512, 64),
+                               (8, 1024, 128), (4, 256, 256)):
                 t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a != "warp" or N_ <= 256
                          else float("nan")) for a in ("warp", "block", "gather")}
                 res[f"algo/{kind}/{S_}/{L_}/{N_}"] = t
                 best = min((v, a) for a, v in t.items() if v == v)[1]
                 say(f"| {kind} | {S_} | {L_} | {N_} | " + " | ".join(f"{t[a]:.4f}" for a in t) + f" | {best} |")
     if "sweep" not in skip:
-        Ts = (16, 32, 64, 128, 256, 512) if args.sweep_algo == "warp" else (2, 4, 8, 16, 32, 64)
+        Ts = (4, 8, 16, 32, 64, 128, 256) if args.sweep_algo == "warp" else (2, 4, 8, 16, 32, 64)
         say(f"\n## chunk sweep of the {args.sweep_algo} forward kernel (B=32, N=128): ms (fraction of D2D)")
         say("| kind | L | dir | " + " | ".join(f"T={T}" for T in Ts) + " |")
         say("|---|---|---|" + "---|" * len(Ts))
