@@ -165,7 +165,7 @@ def check(quick, extra_algos=()):
     for case in cases:
         L, N, kind, pm, ch = case[:5]
         algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
-        fk = algo if algo in ("block", "gather") else ("block" if N > 256 else "warp")
+        fk = algo if algo == "block" else ("block" if N > 256 else "warp")
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
@@ -361,11 +361,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,copy,fwd,fwd-block,fwd-gather,"
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,copy,fwd,fwd-block,"
                     "bwd,algo,sweep,prof,b192,base")
-    ap.add_argument("--check-algos", default="gather",
+    ap.add_argument("--check-algos", default="block",
                     help="forward kernels that run every correctness case once more (comma list; '' for none)")
-    ap.add_argument("--sweep-algo", default="gather", help="forward kernel of the chunk sweep")
+    ap.add_argument("--sweep-algo", default="warp", help="forward kernel of the chunk sweep")
     ap.add_argument("--sweep-L", default="2048,16384", help="sequence lengths of the chunk sweep (comma list)")
     ap.add_argument("--pmode", default="random", choices=("random", "perm"), help="P of the timed inputs")
     args = ap.parse_args()
@@ -405,7 +405,7 @@ def main():
                 res[f"copy/{kind}/{L}"] = dict(ms=ms, frac=must / (ms * 1e-3) / 1e12 / bw)
                 cells.append(f"{ms:.4f} ms ({100 * must / (ms * 1e-3) / 1e12 / bw:.0f}%)")
             say(f"| {kind} | " + " | ".join(cells) + " |")
-    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("fwd", "gather"), ("bwd", "auto")):
+    for which, algo in (("fwd", "warp"), ("fwd", "block"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
             continue
         key = which if algo in ("auto", "warp") else f"{which}-{algo}"
@@ -422,14 +422,14 @@ def main():
             say(f"| {kind} | " + " | ".join(cells) + " |")
     if "algo" not in skip:
         say("\n## forward kernels at layer-like and small shapes (default chunk): ms")
-        say("| kind | sequences | L | N | warp | block | gather | fastest |")
-        say("|---|---|---|---|---|---|---|---|")
+        say("| kind | sequences | L | N | warp | block | fastest |")
+        say("|---|---|---|---|---|---|---|")
         for kind in ("c64", "split_bf16"):
             for S_, L_, N_ in ((512, 4096, 32), (512, 1024, 32), (256, 4096, 64), (64, 4096, 128),
                                (32, 4096, 256), (2048, 2048, 16), (16, 2048, 512), (32, 128, 32), (32, 512, 64),
                                (8, 1024, 128), (4, 256, 256)):
                 t = {a: (time_kind(kind, S_, L_, N_, which="fwd", algo=a)[0] if a != "warp" or N_ <= 256
-                         else float("nan")) for a in ("warp", "block", "gather")}
+                         else float("nan")) for a in ("warp", "block")}
                 res[f"algo/{kind}/{S_}/{L_}/{N_}"] = t
                 best = min((v, a) for a, v in t.items() if v == v)[1]
                 say(f"| {kind} | {S_} | {L_} | {N_} | " + " | ".join(f"{t[a]:.4f}" for a in t) + f" | {best} |")
@@ -455,8 +455,7 @@ def main():
         say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64") for L in (2048, 16384)] + \
                                 [("warp", "c64", 16384, T) for T in (16, 32, 64)] + \
-                                [("gather", k, L, T) for k in ("split_f32", "c64", "split_bf16")
-                                 for L, T in ((2048, None), (16384, None), (16384, 8))]:
+                                [("block", k, L, None) for k in ("c64", "split_bf16") for L in (2048, 16384)]:
             s = inputs_for(kind, S, L, N, 1)[0]
             fwd_fn(kind, s, T, algo)()
             K._state["profile"] = True
@@ -489,7 +488,7 @@ def main():
         for kind in ("split_f32", "split_bf16"):
             e = ELEM[kind]
             for L in (1024, 4096, 16384):
-                for algo in ("warp", "gather"):
+                for algo in ("warp", "block"):
                     ms, tbs, _ = time_kind(kind, 192, L, N, which="fwd", algo=algo)
                     alg = tbs * (2 * (2 + 2 * e) + e) / (2 + 3 * e)
                     res[f"b192/{kind}/{L}/{algo}"] = dict(ms=ms, TBps=tbs, frac=tbs / bw, alg_TBps=alg)
@@ -506,8 +505,8 @@ def main():
             mode = "hillis_steele"
         say(f"baseline: {mode}")
         say("| L | baseline ms | rel err vs kernel | c64 warp kernel ms | speedup | c64 block kernel ms | speedup | "
-            "c64 gather kernel ms | speedup | split_f32 speedup (warp) | split_bf16 speedup (warp) |")
-        say("|---|---|---|---|---|---|---|---|---|---|---|")
+            "split_f32 speedup (warp) | split_bf16 speedup (warp) |")
+        say("|---|---|---|---|---|---|---|---|---|")
         for L in Ls:
             try:
                 ms, err = baseline(S, L, N, mode)
@@ -519,9 +518,8 @@ def main():
             k2 = res.get(f"fwd/split_bf16/{L}", {}).get("ms", float("nan"))
             res[f"base/{L}"] = dict(ms=ms, err=err, mode=mode)
             kb = res.get(f"fwd-block/c64/{L}", {}).get("ms", float("nan"))
-            kg = res.get(f"fwd-gather/c64/{L}", {}).get("ms", float("nan"))
             say(f"| {L} | {ms:.3f} | {err:.1e} | {kc:.4f} | {ms / kc:.0f}x | {kb:.4f} | {ms / kb:.0f}x | "
-                f"{kg:.4f} | {ms / kg:.0f}x | {ms / k1:.0f}x | {ms / k2:.0f}x |")
+                f"{ms / k1:.0f}x | {ms / k2:.0f}x |")
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "pd_scan_bench.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -3,7 +3,7 @@ moves against the must-move bytes (inputs once, outputs once).
 
     PYTHONPATH=. ncu --kernel-name regex:pd_fwd --launch-skip 1 --launch-count 1 \
         --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        python bench/pd_scan_ncu.py [L] [split_f32|split_bf16|c64] [warp|block|gather|auto] [chunk]
+        python bench/pd_scan_ncu.py [L] [split_f32|split_bf16|c64] [warp|block|auto] [chunk]
 """
 import sys
 

@@ -14,9 +14,8 @@
 //   3. replays the chunk from the entering state out of shared memory and writes the outputs.
 // Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
 // A second forward, pd_fwd_warp_kernel (one warp per chunk, the scatter done as a gather over per-step lists,
-// O(N) shared memory), runs the same three phases; a third, pd_fwd_gather_kernel (pd_scan_gather.cuh: this
-// kernel's staging with the scatter done as a gather over per-step lists sorted once per chunk), too; cuda.py
-// picks among them by size (docs/bench/kernels.md).
+// O(N) shared memory, inputs streamed from device memory twice), runs the same three phases; it is the faster
+// one for N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md).
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
@@ -944,8 +943,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   if (prof && lane == 0) prof[5] = clock64();
 }
 
-#include "pd_scan_gather.cuh"   // forward kernel 3: staged chunk, per-step gather lists
-
 // ---------------------------------------------------------------- backward
 template <int K, typename In>
 __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
@@ -1100,7 +1097,6 @@ constexpr int WARP_MAX_N = 256;   // the warp kernel keeps E = N / 32 <= 8 entri
 // 0 (no choice made by the caller) = the block kernel; the size-based policy lives in cuda.py
 __host__ __forceinline__ int fwd_algo(int N, int algo) {
   if (algo == 2) return N <= WARP_MAX_N ? 2 : -1;
-  if (algo == 3) return 3;
   return 1;
 }
 
@@ -1109,7 +1105,6 @@ int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
   if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
-  if (!bwd && fwd_algo(N, algo) == 3) return GatherLayout<K, In>(N, T, (N + 31) / 32 * 32).total;
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);
@@ -1126,14 +1121,13 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     snprintf(msg, sizeof(msg), "the warp forward kernel takes N <= %d, got N=%d", WARP_MAX_N, a.N);
     return msg;
   }
-  const int Np = (bwd || algo == 3) ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
+  const int Np = bwd ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
   const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
   const int E = warp_entries(a.N);
   // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
-  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane, 10/11 gather-list forward (blocks <= 256 / 1024)
+  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane
   const int v = bwd ? 0
-              : algo == 3 ? (Np <= 256 ? 10 : 11)
               : algo == 2 ? (E == 1 ? 6 : E == 2 ? 7 : E == 4 ? 8 : 9)
                           : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
   void (*kern)(ScanArgs) = v == 0 ? pd_bwd_kernel<K, In>
@@ -1145,9 +1139,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
                          : v == 6 ? pd_fwd_warp_kernel<K, In, 1>
                          : v == 7 ? pd_fwd_warp_kernel<K, In, 2>
                          : v == 8 ? pd_fwd_warp_kernel<K, In, 4>
-                         : v == 9 ? pd_fwd_warp_kernel<K, In, 8>
-                         : v == 10 ? pd_fwd_gather_kernel<K, In, 256>
-                                   : pd_fwd_gather_kernel<K, In, 1024>;
+                                  : pd_fwd_warp_kernel<K, In, 8>;
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
@@ -1155,7 +1147,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     return msg;
   }
   // per device and variant: the dynamic shared-memory limit already set (static shared memory counts too)
-  static int raised[64][12] = {};
+  static int raised[64][10] = {};
   int dev = 0;
   cudaGetDevice(&dev);
   int& done = raised[dev & 63][v];

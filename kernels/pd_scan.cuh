@@ -13,14 +13,14 @@ struct ScanArgs {
   const void* x0;   // fp32 (float or float2 interleaved), [S, N], may be null
   void* gx0;        // backward: fp32 grad_x0 [S, N], may be null
   int* counter;     // [1 + 1 + S*C]: ticket counter, error flag, flags
-  int* agg_pi;      // [S*C*(N+1)]: column maps (kernels 1, 2) or int16 gather lists of 2N+2 (kernel 3)
+  int* agg_pi;      // [S*C*N]: the chunk aggregates' column maps (the warp forward keeps them as sorted
+                    // (dest << 16 | source) keys)
   void* agg_d;      // [S*C*N] A
   void* agg_v;      // [S*C*N] A  (forward: zero-state end y; backward: zero-carry exit v)
   void* incl;       // [S*C*N] A  inclusive state
   long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
   int S, L, N, T, C;
-  int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel,
-                    // 3 block-per-chunk kernel with per-step gather lists (pd_scan_gather.cuh)
+  int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel
 };
 
 }  // namespace pdk

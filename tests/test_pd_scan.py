@@ -118,7 +118,7 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
     assert cuda._algo_code("auto", 2048, 2048, 16, False, bf16=True) == 2   # N=16: warp
     assert cuda._algo_code("auto", 32, 16384, 512, False) == 1    # N > 256: the block kernel
     assert cuda._algo_code("block", 512, 4096, 32, False) == 1
-    assert cuda._algo_code("gather", 32, 100, 1000, False) == 3   # the gather-list kernel takes any N <= 1024
+    assert cuda._algo_code("block", 32, 100, 1000, False) == 1    # the block kernel takes any N <= 1024
     with pytest.raises(ValueError, match="N <= 256"):
         cuda._algo_code("warp", 1, 10, 300, False)
     with pytest.raises(ValueError, match="algo must be one of"):
@@ -136,7 +136,7 @@ def test_cuda_default_chunk_without_a_gpu():
         def smem_bytes(self, kind, bf16, N, T, bwd, algo):
             return self.per * N * T
 
-    warp, block, gather = cuda._ALGOS["warp"], cuda._ALGOS["block"], cuda._ALGOS["gather"]
+    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
 
     def chunk(S, L, N, algo, bwd=False, per=20):
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
@@ -148,9 +148,7 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB
     assert chunk(32, 16384, 128, warp, bwd=True) == 16   # the backward has one (block) kernel
-    assert chunk(32, 16384, 128, gather, per=25) == 16      # gather kernel: 16 within 56 KB ...
-    assert chunk(32, 16384, 128, gather, per=60) == 4       # ... halved until it fits
-    assert chunk(32, 128, 128, gather) == 4                 # and until there are >= 4 blocks per SM
+    assert chunk(32, 128, 128, block) == 4           # and until there are >= 4 blocks per SM
 
 
 def test_cuda_build_hash_covers_every_kernel_source():

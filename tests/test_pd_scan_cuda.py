@@ -60,7 +60,7 @@ def _rel(a, ref):
 @pytest.mark.parametrize("L,N,chunk", [(1, 16, None), (127, 64, None), (129, 128, None), (300, 256, 4),
                                        (513, 32, 1), (200, 600, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
-@pytest.mark.parametrize("algo", ["warp", "block", "gather"])
+@pytest.mark.parametrize("algo", ["warp", "block", "auto"])
 def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
     if algo == "warp" and N > 256:
         algo = "auto"   # the warp kernel stops at N=256; auto runs the block kernel there
@@ -77,7 +77,7 @@ def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide"])
-@pytest.mark.parametrize("algo", ["warp", "block", "gather"])
+@pytest.mark.parametrize("algo", ["warp", "block", "auto"])
 def test_split_bf16_and_collisions(pmode, algo):
     K = _cuda()
     P, D, b, x0, gx = _inputs(3, 700, 128, True, pmode=pmode, seed=7)

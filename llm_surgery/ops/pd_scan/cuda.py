@@ -19,9 +19,8 @@ All arithmetic is float32 (complex as pairs of float32); P is read as int16 (oth
 float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
-N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), "gather" (one block per chunk like
-"block", the scatter done as a gather over lists sorted once per chunk, any N <= 1024), or "auto" (default: the
-kernel that measured fastest on the H200 at that size, `_algo_code`; docs/bench/kernels.md).
+N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: the kernel that
+measured fastest on the H100 and H200 at that size, `_algo_code`; docs/bench/kernels.md).
 P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
 `validate=True` to get a ValueError instead (costs a device sync).
 """
@@ -41,7 +40,7 @@ __all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
-_HEADERS = ("pd_scan.cuh", "pd_scan_gather.cuh")
+_HEADERS = ("pd_scan.cuh",)
 _MAX_N = 1024
 _REAL, _SPLIT, _CPLX = 0, 1, 2
 
@@ -161,11 +160,11 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"auto": 0, "block": 1, "warp": 2, "gather": 3}
+_ALGOS = {"auto": 0, "block": 1, "warp": 2}
 
 
 def _algo_code(algo, S, L, N, bwd, bf16=False):
-    """The forward kernel to launch (1 block, 2 warp, 3 gather); the backward has one kernel (code ignored)."""
+    """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
     if algo not in _ALGOS:
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
@@ -180,9 +179,9 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
 
 
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
-    """Staged kernels (block, gather, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
-    within a shared-memory budget (64 KB; gather 56 KB, whose lists also grow with the chunk) and >= 4 blocks per
-    SM, not below 4 steps for the block kernels unless over 200 KB. Warp kernel (one warp per block, shared memory
+    """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
+    within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB. Warp
+    kernel (one warp per block, shared memory
     independent of the chunk): about L/32 steps in [8, 128] (fewer, longer chunks shorten the look-back, shorter
     ones put more warps on an SM; chunk sweep in docs/bench/kernels.md), halved down to 16 while there are fewer
     than 4 warps per SM."""
@@ -191,9 +190,8 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
         return T
-    budget, floor = (56 * 1024, 1) if not bwd and algo == _ALGOS["gather"] else (64 * 1024, 4)
     T = 16
-    while T > floor and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > budget or S * -(-L // T) < 4 * sms):
+    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
         T //= 2
     while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
@@ -210,7 +208,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
     counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
-    agg_pi = torch.empty(S * C * (N + 1), dtype=torch.int32, device=device)   # gather kernel: int16 lists
+    agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
