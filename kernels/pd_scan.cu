@@ -73,13 +73,6 @@ template <int K, typename In> struct Arr {
       return make_float2(to_f(p[i]), to_f(p[i + stride]));
     } else return reinterpret_cast<const float2*>(s)[i];
   }
-  static __device__ __forceinline__ A gload_cg(const void* re, const void* im, size_t i) {
-    if constexpr (K == REAL) return to_f(__ldcg(reinterpret_cast<const In*>(re) + i));
-    else if constexpr (K == SPLIT)
-      return make_float2(to_f(__ldcg(reinterpret_cast<const In*>(re) + i)),
-                         to_f(__ldcg(reinterpret_cast<const In*>(im) + i)));
-    else return __ldcg(reinterpret_cast<const float2*>(re) + i);
-  }
   static __device__ __forceinline__ void gstore(void* re, void* im, size_t i, A v) {
     if constexpr (K == REAL) reinterpret_cast<In*>(re)[i] = from_f<In>(v);
     else if constexpr (K == SPLIT) {
@@ -742,9 +735,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   };
   int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
   auto prebuild = [&](int (&dest)[E]) { build(par, dest, lk); };   // the lists of the next scatter_step call
-  // out <- base + the sums over the lists of parity buffers hd (this lane's destinations); clears the heads.
-  // The E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
-  auto walk = [&](int* hd, const A (&base)[E], A (&out)[E]) {
+  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
+  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
+    int* hd = head + par * M;
+#pragma unroll
+    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
+    __syncwarp();
+    if (has_next) build(par ^ 1, next, lk);
+    // the E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
     int h[E];
     A acc[E];
 #pragma unroll
@@ -766,14 +764,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
 #pragma unroll
     for (int j = 0; j < E; ++j) out[j] = acc[j];
-  };
-  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
-  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
-    __syncwarp();
-    if (has_next) build(par ^ 1, next, lk);
-    walk(head + par * M, base, out);
     par ^= 1;
   };
 
@@ -823,9 +813,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
-#pragma unroll
-      for (int j = 0; j < E; ++j)   // the zero-state output, which the repair completes (3.)
-        if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, y[j]);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         const Slot r = rw[pi[j]];
@@ -937,109 +924,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  if (fast) {
-    // 3. replay from the entering state, writing x
-    for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
+  // 3. replay from the entering state, writing x
+  for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
 #pragma unroll
-      for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-      scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
+    for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
+    scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
 #pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-    });
-  } else {
-    // 3. repair: phase 1 wrote the zero-state outputs y_t; add the entering state's part c_t = A_t c_{t-1}
-    //    (c_{-1} = x) on its support S_t = P_t[S_{t-1}], which depends on P alone. Random maps merge entries,
-    //    so S shrinks fast and few sectors of D and of the outputs are touched. S runs two steps ahead of the
-    //    values (bit masks, one OR-reduction per 32 entries), so the loads of D at S_{t-1} and of y at S_t are
-    //    issued two steps before their use.
-    auto load_p = [&](int k, int (&p)[E]) {
-      const Idx* pp = a.P + row0 + static_cast<size_t>(k) * N + lane;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        p[j] = live(j) ? static_cast<int>(min(static_cast<unsigned>(__ldg(pp + 32 * j)), static_cast<unsigned>(N - 1)))
-                       : pad;
-    };
-    auto on = [&](const unsigned (&S)[E], int j) { return (S[j] >> lane) & 1u; };
-    auto evolve = [&](const int (&p)[E], const unsigned (&S)[E], unsigned (&Sn)[E]) {
-      unsigned cw[E];
-#pragma unroll
-      for (int w = 0; w < E; ++w) cw[w] = 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (on(S, j)) {
-#pragma unroll
-          for (int w = 0; w < E; ++w)
-            if ((p[j] >> 5) == w) cw[w] |= 1u << (p[j] & 31);
-        }
-#pragma unroll
-      for (int w = 0; w < E; ++w) Sn[w] = __reduce_or_sync(0xffffffffu, cw[w]);
-    };
-    auto load_dy = [&](int k, const unsigned (&Ss)[E], const unsigned (&Sd)[E], A (&dv)[E], A (&yv)[E]) {
-      const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        dv[j] = zero_v<A>();
-        yv[j] = zero_v<A>();
-        if (on(Ss, j)) {
-          if constexpr (K == REAL) dv[j] = to_f(__ldg(static_cast<const In*>(a.a0_re) + i0 + 32 * j));
-          else if constexpr (K == SPLIT)
-            dv[j] = make_float2(to_f(__ldg(static_cast<const In*>(a.a0_re) + i0 + 32 * j)),
-                                to_f(__ldg(static_cast<const In*>(a.a0_im) + i0 + 32 * j)));
-          else dv[j] = __ldg(static_cast<const float2*>(a.a0_re) + i0 + 32 * j);
-        }
-        if (on(Sd, j)) yv[j] = R::gload_cg(a.out_re, a.out_im, i0 + 32 * j);
-      }
-    };
-    unsigned S0[E], S1[E], S2[E], S3[E];   // S_{k-1}, S_k, S_{k+1}, S_{k+2}
-    int p0[E], p1[E], p2[E], p3[E];       // P rows of steps k .. k+3
-    A d0[E], y0[E], d1[E], y1[E], d2[E], y2[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      bool nzx;
-      if constexpr (K == REAL) nzx = x[j] != 0.f;
-      else nzx = x[j].x != 0.f || x[j].y != 0.f;
-      S0[j] = __ballot_sync(0xffffffffu, live(j) && nzx);
-    }
-    load_p(0, p0);
-    if (Tc > 1) load_p(1, p1);
-    if (Tc > 2) load_p(2, p2);
-    evolve(p0, S0, S1);
-    if (Tc > 1) evolve(p1, S1, S2);
-    load_dy(0, S0, S1, d0, y0);
-    if (Tc > 1) load_dy(1, S1, S2, d1, y1);
-    for (int k = 0; k < Tc; ++k) {
-      if (k + 2 < Tc) {
-        evolve(p2, S2, S3);
-        load_dy(k + 2, S2, S3, d2, y2);
-      }
-      if (k + 3 < Tc) load_p(k + 3, p3);
-      if (k + 6 < Tc) l2_prefetch_row(a.P + row0 + static_cast<size_t>(k + 6) * N, N * 2, lane);
-      int* hd = head + par * M;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (on(S0, j)) {
-          const int old = atomicExch(&hd[p0[j]], slot_off(par, lane + 32 * j));
-          put_slot(slots + par * M + lane + 32 * j, cmul(d0[j], x[j]), old);
-        }
-      __syncwarp();
-      A zero[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) zero[j] = zero_v<A>();
-      walk(hd, zero, x);
-      par ^= 1;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (on(S1, j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j,
-                                 addv(y0[j], x[j]));
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        S0[j] = S1[j]; S1[j] = S2[j]; S2[j] = S3[j];
-        p0[j] = p1[j]; p1[j] = p2[j]; p2[j] = p3[j];
-        d0[j] = d1[j]; y0[j] = y1[j]; d1[j] = d2[j]; y1[j] = y2[j];
-      }
-    }
-  }
+    for (int j = 0; j < E; ++j)
+      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
+  });
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
