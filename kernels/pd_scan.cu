@@ -73,13 +73,6 @@ template <int K, typename In> struct Arr {
       return make_float2(to_f(p[i]), to_f(p[i + stride]));
     } else return reinterpret_cast<const float2*>(s)[i];
   }
-  static __device__ __forceinline__ A gload_cg(const void* re, const void* im, size_t i) {
-    if constexpr (K == REAL) return to_f(__ldcg(reinterpret_cast<const In*>(re) + i));
-    else if constexpr (K == SPLIT)
-      return make_float2(to_f(__ldcg(reinterpret_cast<const In*>(re) + i)),
-                         to_f(__ldcg(reinterpret_cast<const In*>(im) + i)));
-    else return __ldcg(reinterpret_cast<const float2*>(re) + i);
-  }
   static __device__ __forceinline__ void gstore(void* re, void* im, size_t i, A v) {
     if constexpr (K == REAL) reinterpret_cast<In*>(re)[i] = from_f<In>(v);
     else if constexpr (K == SPLIT) {
@@ -742,9 +735,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   };
   int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
   auto prebuild = [&](int (&dest)[E]) { build(par, dest, lk); };   // the lists of the next scatter_step call
-  // out <- base + the sums over the lists of parity buffers hd (this lane's destinations); clears the heads.
-  // The E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
-  auto walk = [&](int* hd, const A (&base)[E], A (&out)[E]) {
+  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
+  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
+    int* hd = head + par * M;
+#pragma unroll
+    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
+    __syncwarp();
+    if (has_next) build(par ^ 1, next, lk);
+    // the E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
     int h[E];
     A acc[E];
 #pragma unroll
@@ -766,14 +764,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
 #pragma unroll
     for (int j = 0; j < E; ++j) out[j] = acc[j];
-  };
-  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
-  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
-    __syncwarp();
-    if (has_next) build(par ^ 1, next, lk);
-    walk(head + par * M, base, out);
     par ^= 1;
   };
 
@@ -823,9 +813,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
-#pragma unroll
-      for (int j = 0; j < E; ++j)   // the zero-state output, which the repair completes (3.)
-        if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, y[j]);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         const Slot r = rw[pi[j]];
@@ -937,133 +924,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  if (fast) {
-    // 3. replay from the entering state, writing x
-    for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
+  // 3. replay from the entering state, writing x
+  for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
 #pragma unroll
-      for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-      scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
+    for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
+    scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
 #pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-    });
-  } else {
-    // 3. repair: phase 1 wrote the zero-state outputs y_t; add the entering state's part c_t = A_t c_{t-1}
-    //    (c_{-1} = x) where it is non-zero (exact: zero terms add nothing). Dense steps while c has more than 32
-    //    non-zero entries, then one entry per lane, its path run two steps ahead of the values.
-    auto nzv = [](A v) -> bool {
-      if constexpr (K == REAL) return v != 0.f;
-      else return v.x != 0.f || v.y != 0.f;
-    };
-    auto load_d = [&](size_t i) -> A {
-      if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(a.a0_re) + i));
-      else if constexpr (K == SPLIT)
-        return make_float2(to_f(__ldg(static_cast<const In*>(a.a0_re) + i)), to_f(__ldg(static_cast<const In*>(a.a0_im) + i)));
-      else return __ldg(static_cast<const float2*>(a.a0_re) + i);
-    };
-    auto load_p = [&](int k, int (&p)[E]) {
-      const Idx* pp = a.P + row0 + static_cast<size_t>(k) * N + lane;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        p[j] = live(j) ? static_cast<int>(min(static_cast<unsigned>(__ldg(pp + 32 * j)), static_cast<unsigned>(N - 1)))
-                       : pad;
-    };
-    unsigned S[E];
-    int cnt = 0;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      S[j] = __ballot_sync(0xffffffffu, live(j) && nzv(x[j]));
-      cnt += __popc(S[j]);
-    }
-    int k = 0;
-    for (; k < Tc && cnt > 32; ++k) {   // (a) dense steps
-      int p[E];
-      load_p(k, p);
-      const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
-      int* hd = head + par * M;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if ((S[j] >> lane) & 1u) {
-          const int old = atomicExch(&hd[p[j]], slot_off(par, lane + 32 * j));
-          put_slot(slots + par * M + lane + 32 * j, cmul(load_d(i0 + 32 * j), x[j]), old);
-        }
-      __syncwarp();
-      A zero[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) zero[j] = zero_v<A>();
-      walk(hd, zero, x);
-      par ^= 1;
-      cnt = 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const bool nz = live(j) && nzv(x[j]);
-        S[j] = __ballot_sync(0xffffffffu, nz);
-        cnt += __popc(S[j]);
-        if (nz) R::gstore(a.out_re, a.out_im, i0 + 32 * j, addv(R::gload_cg(a.out_re, a.out_im, i0 + 32 * j), x[j]));
-      }
-    }
-    if (k < Tc) {   // (b) compact steps: lane l holds the l-th non-zero entry (e: index, c: value)
-      int* s_ent = reinterpret_cast<int*>(rows);           // scratch (phase 1 and the look-back are done)
-      A* s_val = reinterpret_cast<A*>(rows) + 32;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if ((S[j] >> lane) & 1u) {
-          int r = __popc(S[j] & ((1u << lane) - 1u));
-#pragma unroll
-          for (int w = 0; w < j; ++w) r += __popc(S[w]);
-          s_ent[r] = lane + 32 * j;
-          s_val[r] = x[j];
-        }
-      __syncwarp();
-      const bool act0 = lane < cnt;
-      int fe = act0 ? s_ent[lane] : 0;     // the path's frontier: entry held before the next step to trace
-      bool fa = act0;
-      A cv = act0 ? s_val[lane] : zero_v<A>();
-      __syncwarp();
-      A* s_mv = s_val + 32;
-      // one traced step s: dest of the lane's entry, the lanes that merge with it, and the loads it needs
-      struct Tr { int dest; unsigned peers; bool act, lead; A d, y; };
-      int pr[E];
-      auto trace = [&](int s, Tr& t) {
-        if (s + 8 < Tc) l2_prefetch_row(a.P + row0 + static_cast<size_t>(s + 8) * N, N * 2, lane);
-        load_p(s, pr);
-        int dv = pr[0];
-        const int src_lane = fe & 31, src_j = fe >> 5;
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-          const int v = __shfl_sync(0xffffffffu, pr[j], src_lane);
-          if (j == src_j) dv = v;
-        }
-        t.act = fa;
-        t.dest = fa ? dv : N + lane;   // inactive lanes match nobody
-        t.peers = __match_any_sync(0xffffffffu, t.dest);
-        t.lead = fa && (__ffs(t.peers) - 1) == lane;
-        const size_t i0 = row0 + static_cast<size_t>(s) * N;
-        t.d = fa ? load_d(i0 + fe) : zero_v<A>();
-        t.y = t.lead ? R::gload_cg(a.out_re, a.out_im, i0 + dv) : zero_v<A>();
-        fe = dv;
-        fa = t.lead;
-      };
-      Tr t0, t1, t2;
-      for (int s = k; s < k + 8 && s < Tc; ++s) l2_prefetch_row(a.P + row0 + static_cast<size_t>(s) * N, N * 2, lane);
-      trace(k, t0);
-      if (k + 1 < Tc) trace(k + 1, t1);
-      for (; k < Tc; ++k) {
-        if (k + 2 < Tc) trace(k + 2, t2);
-        s_mv[lane] = t0.act ? cmul(t0.d, cv) : zero_v<A>();
-        __syncwarp();
-        A cn = zero_v<A>();
-        if (t0.lead) {
-          for (unsigned b = t0.peers; b; b &= b - 1) cn = addv(cn, s_mv[__ffs(b) - 1]);
-          R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + t0.dest, addv(t0.y, cn));
-        }
-        cv = cn;
-        __syncwarp();
-        t0 = t1;
-        t1 = t2;
-      }
-    }
-  }
+    for (int j = 0; j < E; ++j)
+      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
+  });
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
