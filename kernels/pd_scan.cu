@@ -73,13 +73,6 @@ template <int K, typename In> struct Arr {
       return make_float2(to_f(p[i]), to_f(p[i + stride]));
     } else return reinterpret_cast<const float2*>(s)[i];
   }
-  static __device__ __forceinline__ A gload_cg(const void* re, const void* im, size_t i) {
-    if constexpr (K == REAL) return to_f(__ldcg(reinterpret_cast<const In*>(re) + i));
-    else if constexpr (K == SPLIT)
-      return make_float2(to_f(__ldcg(reinterpret_cast<const In*>(re) + i)),
-                         to_f(__ldcg(reinterpret_cast<const In*>(im) + i)));
-    else return __ldcg(reinterpret_cast<const float2*>(re) + i);
-  }
   static __device__ __forceinline__ void gstore(void* re, void* im, size_t i, A v) {
     if constexpr (K == REAL) reinterpret_cast<In*>(re)[i] = from_f<In>(v);
     else if constexpr (K == SPLIT) {
@@ -94,14 +87,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src));
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int G> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(G)); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // Copy `bytes` (a multiple of 2) from global to shared with the widest access the alignment allows.
@@ -687,7 +672,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   for (int i = lane; i < 2 * M; i += 32) head[i] = NUL;
   if (lane == 0) put_slot(reinterpret_cast<Slot*>(smem + NUL), zero_v<A>(), NUL);
   const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
-  constexpr bool repairable = sizeof(In) == 4 && E >= 4;
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;
@@ -751,9 +735,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   };
   int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
   auto prebuild = [&](int (&dest)[E]) { build(par, dest, lk); };   // the lists of the next scatter_step call
-  // out <- base + the sums over the lists of parity buffers hd (this lane's destinations); clears the heads.
-  // The E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
-  auto walk = [&](int* hd, const A (&base)[E], A (&out)[E]) {
+  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
+  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
+    int* hd = head + par * M;
+#pragma unroll
+    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
+    __syncwarp();
+    if (has_next) build(par ^ 1, next, lk);
+    // the E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
     int h[E];
     A acc[E];
 #pragma unroll
@@ -775,14 +764,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
 #pragma unroll
     for (int j = 0; j < E; ++j) out[j] = acc[j];
-  };
-  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
-  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
-    __syncwarp();
-    if (has_next) build(par ^ 1, next, lk);
-    walk(head + par * M, base, out);
     par ^= 1;
   };
 
@@ -809,7 +790,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       s1 = s2;
     }
   };
-  int image = N;   // entries the chunk's composed map reaches (phase 1)
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
@@ -819,7 +799,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     //    ends up (pi) with which factor (d) (per-lane gathers, independent of the chain: they overlap it)
     A y[E], d[E];
     int pi[E];
-    (void)0;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       y[j] = zero_v<A>();
@@ -834,11 +813,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
-      if (repairable && (N & 1) == 0) {
-#pragma unroll
-        for (int j = 0; j < E; ++j)   // the zero-state output, which the repair completes (3.)
-          if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, y[j]);
-      }
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         const Slot r = rw[pi[j]];
@@ -855,14 +829,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) rank[j] = live(j) ? atomicAdd(&s_cnt[pi[j]], 1) : 0;
     __syncwarp();
-    int cnt[E], run = 0, img = 0;
+    int cnt[E], run = 0;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       cnt[i] = s_cnt[lane * E + i];
       run += cnt[i];
-      img += cnt[i] > 0;
     }
-    image = __reduce_add_sync(0xffffffffu, img);
     int off = warp_inclusive_sum(run, lane) - run;
     __syncwarp();
 #pragma unroll
@@ -952,159 +924,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  const bool repair = repairable && !fast && (N & 1) == 0 && image <= 8;
-  if (!repair) {
-    // 3. replay from the entering state, writing x
-    for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
+  // 3. replay from the entering state, writing x
+  for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
 #pragma unroll
-      for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-      scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
+    for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
+    scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
 #pragma unroll
-      for (int j = 0; j < E; ++j)
-        if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
-    });
-  } else {
-    if constexpr (repairable) {
-    // 3. repair: phase 1 wrote the zero-state outputs y_t; add the entering state's part c_t = A_t c_{t-1}
-    //    (c_{-1} = x) where it is non-zero. Dense steps while it has more than 32 non-zero entries, then one entry
-    //    per lane, its path traced DA steps ahead of the values out of P rows staged in shared memory.
-    auto nzv = [](A v) -> bool {
-      if constexpr (K == REAL) return v != 0.f;
-      else return v.x != 0.f || v.y != 0.f;
-    };
-    auto load_d = [&](size_t i) -> A {
-      if constexpr (K == REAL) return __ldg(static_cast<const float*>(a.a0_re) + i);
-      else if constexpr (K == SPLIT)
-        return make_float2(__ldg(static_cast<const float*>(a.a0_re) + i), __ldg(static_cast<const float*>(a.a0_im) + i));
-      else return __ldg(static_cast<const float2*>(a.a0_re) + i);
-    };
-    unsigned S[E];
-    int cnt = 0;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      S[j] = __ballot_sync(0xffffffffu, live(j) && nzv(x[j]));
-      cnt += __popc(S[j]);
-    }
-    int k = 0;
-    for (; k < Tc && cnt > 32; ++k) {   // (a) dense steps
-      int p[E];
-      const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        p[j] = live(j) ? static_cast<int>(min(static_cast<unsigned>(__ldg(a.P + i0 + 32 * j)), static_cast<unsigned>(N - 1))) : pad;
-      int* hd = head + par * M;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if ((S[j] >> lane) & 1u) {
-          const int old = atomicExch(&hd[p[j]], slot_off(par, lane + 32 * j));
-          put_slot(slots + par * M + lane + 32 * j, cmul(load_d(i0 + 32 * j), x[j]), old);
-        }
-      __syncwarp();
-      A zero[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) zero[j] = zero_v<A>();
-      walk(hd, zero, x);
-      par ^= 1;
-      cnt = 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const bool nz = live(j) && nzv(x[j]);
-        S[j] = __ballot_sync(0xffffffffu, nz);
-        cnt += __popc(S[j]);
-        if (nz) R::gstore(a.out_re, a.out_im, i0 + 32 * j, addv(R::gload_cg(a.out_re, a.out_im, i0 + 32 * j), x[j]));
-      }
-    }
-    if (k < Tc) {   // (b) compact steps: lane l holds the l-th non-zero entry
-      int* s_ent = reinterpret_cast<int*>(rows);
-      A* s_val = reinterpret_cast<A*>(rows) + 32;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        if ((S[j] >> lane) & 1u) {
-          int r = __popc(S[j] & ((1u << lane) - 1u));
-#pragma unroll
-          for (int w = 0; w < j; ++w) r += __popc(S[w]);
-          s_ent[r] = lane + 32 * j;
-          s_val[r] = x[j];
-        }
-      __syncwarp();
-      int fe = lane < cnt ? s_ent[lane] : 0;   // the path's frontier: the entry held before the next traced step
-      bool fa = lane < cnt;
-      A cv = fa ? s_val[lane] : zero_v<A>();
-      __syncwarp();
-      // rings in the lists' space: per step a P row, and per lane D, y, destination and merge mask
-      constexpr int pbytes = (2 * M + 15) & ~15;
-      constexpr int slot_bytes = pbytes + 2 * 32 * (int)sizeof(A) + 2 * 32 * 4;
-      constexpr int avail = 4 * M * (int)sizeof(Slot);
-      constexpr int RG = avail / slot_bytes >= 8 ? 8 : 4;
-      constexpr int DA = RG / 2;
-      static_assert(avail / slot_bytes >= 4, "repair rings");
-      unsigned char* ring = smem + slots_at;
-      auto rP = [&](int s) { return reinterpret_cast<Idx*>(ring + (s % RG) * slot_bytes); };
-      auto rD = [&](int s) { return reinterpret_cast<A*>(ring + (s % RG) * slot_bytes + pbytes); };
-      auto rY = [&](int s) { return rD(s) + 32; };
-      auto rDest = [&](int s) { return reinterpret_cast<int*>(rY(s) + 32); };
-      auto rPeers = [&](int s) { return reinterpret_cast<unsigned*>(rDest(s) + 32); };
-      A* s_mv = reinterpret_cast<A*>(head);   // the heads are unused from here
-      auto copy_prow = [&](int s) {
-        const Idx* src = a.P + row0 + static_cast<size_t>(s) * N;
-        for (int w = lane; w < N / 2; w += 32) cp_async4(rP(s) + 2 * w, src + 2 * w);
-      };
-      auto cp_elem = [&](A* dst, const void* re, const void* im, size_t i) {
-        if constexpr (K == CPLX) cp_async8(dst, static_cast<const float2*>(re) + i);
-        else if constexpr (K == SPLIT) {
-          cp_async4(&dst->x, static_cast<const float*>(re) + i);
-          cp_async4(&dst->y, static_cast<const float*>(im) + i);
-        } else cp_async4(dst, static_cast<const float*>(re) + i);
-      };
-      auto trace = [&](int s) {
-        const int dv = fa ? static_cast<int>(min(static_cast<unsigned>(rP(s)[fe]), static_cast<unsigned>(N - 1)))
-                          : N + lane;   // inactive lanes match nobody
-        const unsigned peers = __match_any_sync(0xffffffffu, dv);
-        const bool lead = fa && (__ffs(peers) - 1) == lane;
-        rDest(s)[lane] = fa ? dv : -1;
-        rPeers(s)[lane] = lead ? peers : 0u;
-        const size_t i0 = row0 + static_cast<size_t>(s) * N;
-        if (fa) cp_elem(rD(s) + lane, a.a0_re, a.a0_im, i0 + fe);
-        if (lead) cp_elem(rY(s) + lane, a.out_re, a.out_im, i0 + dv);
-        fe = dv;
-        fa = lead;
-      };
-      auto values = [&](int s) {
-        const int dst = rDest(s)[lane];
-        s_mv[lane] = dst >= 0 ? cmul(rD(s)[lane], cv) : zero_v<A>();
-        __syncwarp();
-        const unsigned peers = rPeers(s)[lane];
-        A cn = zero_v<A>();
-        if (peers) {
-          for (unsigned b = peers; b; b &= b - 1) cn = addv(cn, s_mv[__ffs(b) - 1]);
-          R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(s) * N + dst, addv(rY(s)[lane], cn));
-        }
-        cv = cn;
-        __syncwarp();
-      };
-      const int k0 = k;
-      for (int s = k0; s < k0 + RG - 1 && s < Tc; ++s) copy_prow(s);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncwarp();
-      for (int s = k0; s < k0 + DA && s < Tc; ++s) trace(s);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncwarp();
-      cp_async_commit();
-      cp_async_commit();
-      for (; k < Tc; ++k) {
-        cp_async_wait<RG - DA - 2>();
-        __syncwarp();
-        values(k);
-        if (k + DA < Tc) trace(k + DA);
-        if (k + RG - 1 < Tc) copy_prow(k + RG - 1);
-        cp_async_commit();
-      }
-      cp_async_wait<0>();
-    }
-    }
-  }
+    for (int j = 0; j < E; ++j)
+      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
+  });
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
