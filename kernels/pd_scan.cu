@@ -341,15 +341,13 @@ __device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_f
   return ch;
 }
 
-// A block's start: thread 0 takes its ticket and initialises its staging mbarriers (null: none); after the
+// A block's start: thread 0 takes its ticket and initialises its staging mbarrier (null: none); after the
 // barrier every thread has the chunk, and probe 0 (the start) is written when profiling.
-__device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first, uint64_t* bar0 = nullptr,
-                                             uint64_t* bar1 = nullptr) {
+__device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first, uint64_t* bar = nullptr) {
   __shared__ int s_ticket;
   if (threadIdx.x == 0) {
     s_ticket = atomicAdd(a.counter, 1);
-    if (bar0) mbar_init(bar0);
-    if (bar1) mbar_init(bar1);
+    if (bar) mbar_init(bar);
   }
   __syncthreads();
   const Chunk ch = chunk_of(a, s_ticket, last_first);
@@ -734,7 +732,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
   };
   int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
-  auto prebuild = [&](int (&dest)[E]) { build(par, dest, lk); };   // the lists of the next scatter_step call
   // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
   auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
     int* hd = head + par * M;
@@ -782,7 +779,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   auto for_each_step = [&](auto&& step) {
     load_step(0, s0);
     if (Tc > 1) load_step(1, s1);
-    prebuild(s0.p);
+    build(par, s0.p, lk);   // the first step's lists
     for (int k = 0; k < Tc; ++k) {
       if (k + 2 < Tc) load_step(k + 2, s2);
       step(k, s0, s1);
