@@ -126,6 +126,12 @@ def run_kind(kind, P, D, b, x0, g, chunk, algo="auto"):
     return (x, cx(gDr, gDi), cx(gbr, gbi), gx0.to(torch.complex128)), (cx(Dr, Di), cx(br, bi), x, cx(gr, gi))
 
 
+def fwd_kernel(case):
+    """The forward kernel a check case (L, N, kind, P, chunk[, algo]) runs: its algo, else warp up to N=256."""
+    algo = case[5] if len(case) > 5 else "auto"
+    return "block" if algo == "block" or case[1] > 256 else "warp"
+
+
 def check(quick, extra_algos=()):
     dev = "cuda"
     gen = torch.Generator(device=dev)
@@ -155,8 +161,10 @@ def check(quick, extra_algos=()):
     for N in (1, 31, 33, 100, 200, 255):   # partial warps of the warp kernel
         cases.append((257, N, "c64", "random", None))
         cases.append((257, N, "split_bf16", "collide" if N > 1 else "random", 8))
-    for algo in extra_algos:   # every case above once more through this forward kernel (any N <= 1024)
-        cases += [c[:5] + (algo,) for c in cases if len(c) == 5]
+    # every case above once more through this forward kernel (any N <= 1024), unless it already runs that kernel
+    run = {(c[:5], fwd_kernel(c)) for c in cases}
+    for algo in extra_algos:
+        cases += [c[:5] + (algo,) for c in cases if len(c) == 5 and (c[:5], fwd_kernel(c[:5] + (algo,))) not in run]
     say(f"\n## correctness vs float64 loop ({len(cases)} cases; S=3 sequences; outputs poisoned with NaN)")
     say("| L | N | kind | P | chunk | fwd kernel | fwd rel err | gD rel err | gb rel err | gx0 rel err | ok |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -165,7 +173,7 @@ def check(quick, extra_algos=()):
     for case in cases:
         L, N, kind, pm, ch = case[:5]
         algo = case[5] if len(case) > 5 else ("warp" if N <= 256 else "auto")
-        fk = algo if algo == "block" else ("block" if N > 256 else "warp")
+        fk = fwd_kernel(case)
         cplx = kind in ("c64", "split_f32", "split_bf16")
         P, D, b, x0 = make(3, L, N, cplx, dev, pm, gen)
         g = make(3, L, N, cplx, dev, "random", gen)[2]
@@ -402,8 +410,9 @@ def main():
             for L in Ls:
                 must = must_bytes(kind, S, L, N)
                 ms = copy_at_size(must)
-                res[f"copy/{kind}/{L}"] = dict(ms=ms, frac=must / (ms * 1e-3) / 1e12 / bw)
-                cells.append(f"{ms:.4f} ms ({100 * must / (ms * 1e-3) / 1e12 / bw:.0f}%)")
+                frac = must / (ms * 1e-3) / 1e12 / bw
+                res[f"copy/{kind}/{L}"] = dict(ms=ms, frac=frac)
+                cells.append(f"{ms:.4f} ms ({100 * frac:.0f}%)")
             say(f"| {kind} | " + " | ".join(cells) + " |")
     for which, algo in (("fwd", "warp"), ("fwd", "block"), ("bwd", "auto")):
         if which in skip or f"{which}-{algo}" in skip:
