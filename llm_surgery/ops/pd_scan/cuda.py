@@ -181,10 +181,9 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB. Warp
-    kernel (one warp per block, shared memory
-    independent of the chunk): about L/32 steps in [8, 128] (fewer, longer chunks shorten the look-back, shorter
-    ones put more warps on an SM; chunk sweep in docs/bench/kernels.md), halved down to 16 while there are fewer
-    than 4 warps per SM."""
+    kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
+    longer chunks shorten the look-back, shorter ones put more warps on an SM; chunk sweep in
+    docs/bench/kernels.md), halved down to 16 while there are fewer than 4 warps per SM."""
     if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
