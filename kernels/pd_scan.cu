@@ -46,6 +46,8 @@ __device__ __forceinline__ float conjv(float a) { return a; }
 __device__ __forceinline__ float2 conjv(float2 a) { return make_float2(a.x, -a.y); }
 __device__ __forceinline__ float addv(float a, float b) { return a + b; }
 __device__ __forceinline__ float2 addv(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+__device__ __forceinline__ float subv(float a, float b) { return a - b; }
+__device__ __forceinline__ float2 subv(float2 a, float2 b) { return make_float2(a.x - b.x, a.y - b.y); }
 template <typename A> __device__ __forceinline__ A zero_v();
 template <> __device__ __forceinline__ float zero_v<float>() { return 0.f; }
 template <> __device__ __forceinline__ float2 zero_v<float2>() { return make_float2(0.f, 0.f); }
@@ -54,6 +56,14 @@ template <> __device__ __forceinline__ float one_v<float>() { return 1.f; }
 template <> __device__ __forceinline__ float2 one_v<float2>() { return make_float2(1.f, 0.f); }
 __device__ __forceinline__ void atomic_add_v(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add_v(float2* p, float2 v) { atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); }
+__device__ __forceinline__ void red_add(float* p, float v) {
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void red_add_v2(float2* p, float2 v) {
+  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
+}
+#endif
 __device__ __forceinline__ float ldcg_v(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg_v(const float2* p) { return __ldcg(p); }
 
@@ -86,6 +96,11 @@ template <int K, typename In> struct Arr {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+template <int B>   // a 4- or 8-byte global -> shared copy (cached at all levels)
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "n"(B));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
@@ -559,9 +574,17 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
   const int e = (N + 31) / 32;
   return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
 }
-__host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
+// The repair (fp32 outputs): phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
+// stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps)
+constexpr int REPAIR_FROM = 16;
+constexpr int REPAIR_MAX_T = 256;
+__host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   // flags [M], state [M], support
+  return M * 4 + M * asize + 32 * (4 + asize + 4) + (REPAIR_MAX_T + 1) * 4;   // [32] x3, step offsets
+}
+__host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize, bool repair) {
   const int M = 32 * warp_entries(N);
-  return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
+  // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot; the repair's scratch
+  return 2 * M * 4 + (4 * M + 1) * 2 * asize + (repair ? 16 + warp_repair_bytes(M, asize) : 0);
 }
 
 // Ask for the line holding byte `lane * 128` of a row of `bytes` bytes (<= 4 KB) to be brought into L2: a warp
@@ -643,8 +666,9 @@ __device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (
   __syncwarp();   // stv, res are reused by the next application
 }
 
+// Split float32 at E = 4 needs more than the 128 registers that 16 warps per SM leave (spills cost it 30%): 14 warps
 template <int K, typename In, int E>
-__global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
+__global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ? 12 : 16) : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
   using Slot = WarpSlot<A>;
@@ -667,6 +691,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* s_d = reinterpret_cast<A*>(s_key + M);
   A* s_st = s_d + M;
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
+  // the repair's scratch (fp32 outputs only; see REPAIR_FROM)
+  constexpr bool kRepair = sizeof(In) == 4;
+  int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
+  A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step REPAIR_FROM - 1
+  A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step REPAIR_FROM - 1
+  int* s_sp = reinterpret_cast<int*>(s_y0 + 32);   // [32] compaction of one support step
+  int* s_sp0 = s_sp + 32;                      // [32] the support at step REPAIR_FROM - 1
+  int* s_off = s_sp0 + 32;                     // [REPAIR_MAX_T + 1] log offset of each repaired step
   for (int i = lane; i < 2 * M; i += 32) head[i] = NUL;
   if (lane == 0) put_slot(reinterpret_cast<Slot*>(smem + NUL), zero_v<A>(), NUL);
   const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
@@ -776,15 +808,147 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A val[E];
   // the chunk's Tc steps in order, each step's inputs loaded two steps ahead and its lists built one step ahead:
   // step(k, inputs of step k, inputs of step k + 1)
-  auto for_each_step = [&](auto&& step) {
+  auto for_each_step = [&](int n, auto&& step) {   // steps 0 .. n - 1
     load_step(0, s0);
-    if (Tc > 1) load_step(1, s1);
+    if (n > 1) load_step(1, s1);
     build(par, s0.p, lk);   // the first step's lists
-    for (int k = 0; k < Tc; ++k) {
-      if (k + 2 < Tc) load_step(k + 2, s2);
-      step(k, s0, s1);
+    for (int k = 0; k < n; ++k) {
+      if (k + 2 < n) load_step(k + 2, s2);
+      step(k, s0, s1, k + 1 < n);
       s0 = s1;
       s1 = s2;
+    }
+  };
+  // The repair (fp32 outputs). A chunk whose composed map has collapsed onto at most 32 entries by step
+  // REPAIR_FROM - 1 (random maps: ~2N/t entries after t steps) writes its zero-state outputs y_t from step
+  // REPAIR_FROM on in phase 1, and logs how the entering state's part c moves on that support: per support entry
+  // and step its factor D_t, the next entry merging into the same destination, and per destination its first
+  // source and position. After the look-back, 3. replays only the first REPAIR_FROM steps and then adds c_t to
+  // the support's outputs by streaming the log (no input is read twice, no data-dependent load on the chain).
+  // phase 1 from the check on, in one register (phase 1 is at the register limit): lg = the log's length << 16 |
+  // sp << 6 | scnt, where lane r < scnt holds the support's r-th position sp; lg > 0: the chunk is logged
+  int lg = 0;
+  auto log_d = [&]() { return static_cast<A*>(a.rlog) + (static_cast<size_t>(q) * C + c) * a.rcap; };
+  auto log_w = [&]() {
+    return reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
+           (static_cast<size_t>(q) * C + c) * a.rcap;
+  };
+  // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
+  auto collapse_check = [&](const int (&pim)[E], const A (&yv)[E]) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) s_img[lane + 32 * j] = 0;
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) s_img[pim[j]] = 1;
+    __syncwarp();
+    unsigned bits[E];
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      bits[j] = __ballot_sync(0xffffffffu, live(j) && s_img[lane + 32 * j]);
+      cnt += __popc(bits[j]);
+    }
+    if (cnt > 32 || cnt * (Tc - REPAIR_FROM) > a.rcap) return;
+    int base = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if ((bits[j] >> lane) & 1u) {
+        const int r = base + __popc(bits[j] & ((1u << lane) - 1u));
+        s_sp0[r] = lane + 32 * j;
+        s_y0[r] = yv[j];
+      }
+      base += __popc(bits[j]);
+    }
+    if (lane == 0) s_off[0] = 0;
+    __syncwarp();
+    lg = (lane < cnt ? s_sp0[lane] : 0) << 6 | cnt;
+  };
+  // phase 1's logged step k (rows rw of the step, y = y_k): write y_k, move the support, log the move
+  auto support_step = [&](int k, const Slot* rw, const A (&yv)[E]) {
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, yv[j]);
+    const int scnt = lg & 63, sp = (lg >> 6) & 1023, loff = lg >> 16;
+    const bool src = lane < scnt;
+    const Slot r = rw[sp];
+    const int np = src ? r.link : N + lane;   // lanes past the support match nobody
+    const unsigned peers = __match_any_sync(0xffffffffu, np);
+    const bool lead = src && __ffs(peers) - 1 == lane;
+    const unsigned above = peers & (0xfffffffeu << lane);
+    const int link = above ? __ffs(above) - 1 : 32;   // the next source with this destination; 32: none
+    const unsigned leads = __ballot_sync(0xffffffffu, lead);
+    if (lead) s_sp[__popc(leads & ((1u << lane) - 1u))] = lane | (np << 5);
+    __syncwarp();
+    const int ncnt = __popc(leads);
+    const int hw = lane < ncnt ? s_sp[lane] : 0;   // destination `lane`: its first source and its position
+    if (src) {
+      log_d()[loff + lane] = r.v;
+      log_w()[loff + lane] = link | (hw & 31) << 6 | (hw >> 5) << 11 | (lane < ncnt ? 1 << 22 : 0);
+    }
+    if (lane == 0) s_off[k - REPAIR_FROM + 1] = loff + scnt;
+    lg = (loff + scnt) << 16 | (hw >> 5) << 6 | ncnt;
+  };
+  // out[i] += v as a reduction (REDG: fire and forget; atomicAdd compiles to an ATOMG that costs the repair ~3x)
+  auto red_out = [&](size_t i, A v) {
+    if constexpr (K == CPLX) {
+#if __CUDA_ARCH__ >= 900
+      red_add_v2(static_cast<float2*>(a.out_re) + i, v);
+#else
+      red_add(&(static_cast<float2*>(a.out_re) + i)->x, v.x);
+      red_add(&(static_cast<float2*>(a.out_re) + i)->y, v.y);
+#endif
+    } else if constexpr (K == SPLIT) {
+      red_add(static_cast<float*>(a.out_re) + i, v.x);
+      red_add(static_cast<float*>(a.out_im) + i, v.y);
+    } else {
+      red_add(static_cast<float*>(a.out_re) + i, v);
+    }
+  };
+  // 3b. after the replay of steps 0 .. REPAIR_FROM - 1 (state xs): c on the support, then the logged steps
+  auto repair = [&](const A (&xs)[E]) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) s_xv[lane + 32 * j] = xs[j];
+    __syncwarp();
+    const int cnt0 = s_off[1];
+    A cv = lane < cnt0 ? subv(s_xv[s_sp0[lane]], s_y0[lane]) : zero_v<A>();   // c = x - y, zero off the support
+    // the log staged into the lists' space (free now) a piece at a time: one device-memory latency per piece
+    constexpr int area = 2 * M * 4 + (4 * M + 1) * 2 * (int)sizeof(A);
+    constexpr int cap = area / ((int)sizeof(A) + 4);   // entries per piece (>= 32: a step's entries fit)
+    A* sd = reinterpret_cast<A*>(smem);
+    int* sw = reinterpret_cast<int*>(sd + cap);
+    for (int k = REPAIR_FROM; k < Tc;) {
+      const int oa = s_off[k - REPAIR_FROM];
+      int kb = k + 1;   // steps k .. kb - 1 make the piece
+      while (kb < Tc && s_off[kb - REPAIR_FROM + 1] - oa <= cap) ++kb;
+      const int ne = s_off[kb - REPAIR_FROM] - oa;
+      __syncwarp();   // the previous piece (or the replay's lists) is no longer read
+      for (int i = lane; i < ne; i += 32) {
+        cp_async_small<sizeof(A)>(sd + i, log_d() + oa + i);
+        cp_async_small<4>(sw + i, log_w() + oa + i);
+      }
+      cp_async_wait_all();
+      __syncwarp();
+      for (; k < kb; ++k) {
+        const int o = s_off[k - REPAIR_FROM] - oa, n = s_off[k - REPAIR_FROM + 1] - oa - o;
+        const A dv = lane < n ? sd[o + lane] : zero_v<A>();
+        const int w = lane < n ? sw[o + lane] : 32;
+        const A v = cmul(dv, cv);
+        A sum = v;   // a destination's first source sums its merge list
+        int cur = w & 63;
+        while (__any_sync(0xffffffffu, cur < 32)) {
+          const A t = shfl_v(v, cur & 31);
+          const int nx = __shfl_sync(0xffffffffu, w & 63, cur & 31);
+          if (cur < 32) {
+            sum = addv(sum, t);
+            cur = nx;
+          }
+        }
+        const A cn = shfl_v(sum, (w >> 6) & 31);
+        const bool dst = (w >> 22) & 1;
+        if (dst) red_out(row0 + static_cast<size_t>(k) * N + ((w >> 11) & 2047), cn);
+        cv = dst ? cn : zero_v<A>();
+      }
     }
   };
   if (fast) {
@@ -802,19 +966,25 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
+    for_each_step(Tc, [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, bool more) {
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         put_slot(rw + lane + 32 * j, cur.d[j], cur.p[j]);
         val[j] = cmul(cur.d[j], y[j]);
       }
-      scatter_step(val, cur.b, y, nx1.p, k + 1 < Tc);
+      scatter_step(val, cur.b, y, nx1.p, more);
+      if constexpr (kRepair) {
+        if (lg > 0) support_step(k, rw, y);
+      }
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         const Slot r = rw[pi[j]];
         d[j] = cmul(r.v, d[j]);
         pi[j] = r.link;
+      }
+      if constexpr (kRepair) {
+        if (k == REPAIR_FROM - 1 && a.rcap > 0 && Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T) collapse_check(pi, y);
       }
     });
     __syncwarp();   // every lane's last gathers from the rows are done: their space becomes scratch
@@ -921,15 +1091,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  // 3. replay from the entering state, writing x
-  for_each_step([&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1) {
+  // 3. replay from the entering state, writing x: every step, or with a log only the steps before REPAIR_FROM
+  const bool logged = lg > 0;
+  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, bool more) {
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-    scatter_step(val, cur.b, x, nx1.p, k + 1 < Tc);
+    scatter_step(val, cur.b, x, nx1.p, more);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
   });
+  if constexpr (kRepair) {
+    if (logged) repair(x);
+  }
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
@@ -1101,7 +1275,7 @@ template <int K, typename In>
 int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
-  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
+  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize, sizeof(In) == 4);
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);

@@ -213,10 +213,14 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
         prof = torch.zeros(S * C, 8, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
+    rcap, rlog = 0, None
+    if not bwd and code == _ALGOS["warp"] and not bf16 and 24 <= T <= 256:   # the warp kernel's repair log
+        rcap = T * N // 4   # entries per chunk (12 B each for complex): a chunk is logged if its support fits
+        rlog = torch.empty(S * C * rcap * (comps + 1), dtype=torch.int32, device=device)
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
-                      agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof)]
+                      agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog)]
     with torch.cuda.device(device):
-        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code],
+        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
     return counter
 
