@@ -155,8 +155,8 @@ def check(quick, extra_algos=()):
     for pm in ("collide", "zero", "perm"):
         for kind in ("f32", "c64", "split_bf16"):
             cases.append((1000, 128, kind, pm, None))
-    for pm in ("collide", "zero", "perm"):   # long chunks: the warp kernel's repair (fp32) or its full replay
-        for kind in ("f32", "c64", "split_f32"):
+    for pm in ("collide", "zero", "perm"):   # long chunks: the warp kernel's repair or its full replay
+        for kind in ("f32", "c64", "split_f32", "split_bf16"):
             cases.append((4096, 128, kind, pm, None))
     for ch in (1, 4, 16, 64):   # many chunks: long look-back chains
         for kind in ("c64", "split_f32", "bf16"):

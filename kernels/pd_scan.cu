@@ -14,8 +14,10 @@
 //   3. replays the chunk from the entering state out of shared memory and writes the outputs.
 // Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
 // A second forward, pd_fwd_warp_kernel (one warp per chunk, the scatter done as a gather over per-step lists,
-// O(N) shared memory, inputs streamed from device memory twice), runs the same three phases; it is the faster
-// one for N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md).
+// O(N) shared memory, inputs streamed from device memory), runs the same three phases; it is the faster one for
+// N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md). Its replay re-reads the chunk, except
+// (fp32 outputs) where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the
+// entering state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log.
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).

@@ -125,6 +125,20 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
         cuda._algo_code("fastest", 1, 10, 30, False)
 
 
+def test_cuda_repair_log_capacity_without_a_gpu():
+    """The warp forward's repair log: T N / 4 entries per chunk for fp32 chunks of 24..256 steps, else none."""
+    from llm_surgery.ops.pd_scan import cuda
+
+    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
+    assert cuda._repair_capacity(warp, False, False, 128, 128) == 4096
+    assert cuda._repair_capacity(warp, False, False, 24, 16) == 96
+    assert cuda._repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
+    assert cuda._repair_capacity(warp, False, False, 512, 128) == 0    # past the kernel's step table
+    assert cuda._repair_capacity(warp, False, True, 128, 128) == 0     # bfloat16 outputs: no repair
+    assert cuda._repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
+    assert cuda._repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

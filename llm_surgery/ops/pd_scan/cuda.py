@@ -197,6 +197,19 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
+_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 256   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T
+
+
+def _repair_capacity(code, bwd, bf16, T, N):
+    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full; bfloat16
+    outputs have no repair). The kernel logs a chunk when the entering state's support after 16 steps, times the
+    steps left, fits: T N / 4 holds a support of ~N/4 entries (random maps keep ~2N/16), at 12 bytes an entry for
+    complex (0.375x the outputs' size)."""
+    if bwd or bf16 or code != _ALGOS["warp"] or not _REPAIR_MIN_T <= T <= _REPAIR_MAX_T:
+        return 0
+    return T * N // 4
+
+
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
@@ -213,10 +226,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
         prof = torch.zeros(S * C, 8, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
-    rcap, rlog = 0, None
-    if not bwd and code == _ALGOS["warp"] and not bf16 and 24 <= T <= 256:   # the warp kernel's repair log
-        rcap = T * N // 4   # entries per chunk (12 B each for complex): a chunk is logged if its support fits
-        rlog = torch.empty(S * C * rcap * (comps + 1), dtype=torch.int32, device=device)
+    rcap = _repair_capacity(code, bwd, bf16, T, N)
+    rlog = torch.empty(S * C * rcap * (comps + 1), dtype=torch.int32, device=device) if rcap else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog)]
     with torch.cuda.device(device):
