@@ -668,7 +668,7 @@ __device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (
   __syncwarp();   // stv, res are reused by the next application
 }
 
-// Split float32 at E = 4 needs more than the 128 registers that 16 warps per SM leave (spills cost it 30%): 14 warps
+// Split float32 at E = 4 needs more than the 128 registers that 16 warps per SM leave (spills cost it 30%): 12 warps
 template <int K, typename In, int E>
 __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ? 12 : 16) : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
@@ -1286,6 +1286,22 @@ int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
 }
 
 template <int K, typename In>
+void (*warp_kernel(int E))(ScanArgs) {
+  return E == 1 ? pd_fwd_warp_kernel<K, In, 1> : E == 2 ? pd_fwd_warp_kernel<K, In, 2>
+       : E == 4 ? pd_fwd_warp_kernel<K, In, 4> : pd_fwd_warp_kernel<K, In, 8>;
+}
+
+// Warps of the warp forward kernel an SM holds at once (registers, shared memory), from the CUDA occupancy API
+template <int K, typename In>
+int warp_blocks_per_sm(int N) {
+  int n = 0;
+  const int sm = smem_bytes<K, In>(N, 1, 32, false, 2);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, warp_kernel<K, In>(warp_entries(N)), 32, sm) != cudaSuccess)
+    return 0;
+  return n;
+}
+
+template <int K, typename In>
 const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   static thread_local char msg[512];
   constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
@@ -1309,10 +1325,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
                          : v == 3 ? pd_fwd_kernel<K, In, 4>
                          : v == 4 ? pd_fwd_kernel<K, In, 8>
                          : v == 5 ? pd_fwd_kernel<K, In, 0>
-                         : v == 6 ? pd_fwd_warp_kernel<K, In, 1>
-                         : v == 7 ? pd_fwd_warp_kernel<K, In, 2>
-                         : v == 8 ? pd_fwd_warp_kernel<K, In, 4>
-                                  : pd_fwd_warp_kernel<K, In, 8>;
+                                  : warp_kernel<K, In>(E);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
@@ -1350,6 +1363,14 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
 }  // namespace pdk
 
 // kind: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (kinds 0, 1)
+int pd_scan_warp_blocks_per_sm(int kind, int bf16, int N) {
+  using namespace pdk;
+  if (N > WARP_MAX_N) return 0;
+  if (kind == REAL) return bf16 ? warp_blocks_per_sm<REAL, __nv_bfloat16>(N) : warp_blocks_per_sm<REAL, float>(N);
+  if (kind == SPLIT) return bf16 ? warp_blocks_per_sm<SPLIT, __nv_bfloat16>(N) : warp_blocks_per_sm<SPLIT, float>(N);
+  return warp_blocks_per_sm<CPLX, float>(N);
+}
+
 int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo) {
   using namespace pdk;
   const int Np = (N + 31) / 32 * 32;

@@ -29,5 +29,7 @@ struct ScanArgs {
 
 // kind: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (kinds 0 and 1).
 int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo);
+// Blocks (warps) of the warp forward kernel one SM holds at once; 0 for N beyond that kernel or on error.
+int pd_scan_warp_blocks_per_sm(int kind, int bf16, int N);
 // Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
 const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);

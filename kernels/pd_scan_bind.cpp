@@ -35,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "llm_surgery PD-SSM scan kernels (raw-pointer interface; use llm_surgery.ops.pd_scan.cuda)";
   m.def("launch", &launch);
   m.def("smem_bytes", &pd_scan_smem_bytes);
+  m.def("warp_blocks_per_sm", &pd_scan_warp_blocks_per_sm);
 }

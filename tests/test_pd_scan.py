@@ -150,6 +150,9 @@ def test_cuda_default_chunk_without_a_gpu():
         def smem_bytes(self, kind, bf16, N, T, bwd, algo):
             return self.per * N * T
 
+        def warp_blocks_per_sm(self, kind, bf16, N):
+            return 14
+
     warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
 
     def chunk(S, L, N, algo, bwd=False, per=20):
@@ -158,6 +161,8 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
     assert chunk(32, 100, 128, warp) == 8 and chunk(32, 512, 128, warp) == 16
     assert chunk(1, 16384, 128, warp) == 16          # too few warps per SM: shorter chunks
+    # 32 x 64 chunks of 128 steps overflow 132 x 14 resident warps; 32 x 32 of 256 steps fit one wave
+    assert chunk(32, 8192, 128, warp) == 256 and chunk(16, 8192, 128, warp) == 128
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB

@@ -183,11 +183,15 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB. Warp
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
     longer chunks shorten the look-back, shorter ones put more warps on an SM; chunk sweep in
-    docs/bench/kernels.md), halved down to 16 while there are fewer than 4 warps per SM."""
+    docs/bench/kernels.md), halved down to 16 while there are fewer than 4 warps per SM, and doubled to 256 when
+    that lets the chunks run in one wave of the warps the SMs hold (a second, partial wave costs a chunk's time)."""
     if not bwd and algo == _ALGOS["warp"]:
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
+        resident = sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
+        if T == 128 and S * -(-L // T) > resident >= S * -(-L // (2 * T)):
+            T *= 2
         return T
     T = 16
     while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
