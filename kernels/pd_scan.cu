@@ -583,10 +583,12 @@ constexpr int REPAIR_MAX_T = 256;
 __host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   // flags [M], state [M], support
   return M * 4 + M * asize + 32 * (4 + asize + 4) + (REPAIR_MAX_T + 1) * 4;   // [32] x3, step offsets
 }
+__host__ __device__ constexpr int warp_list_bytes(int M, int asize) {
+  return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
+}
 __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize, bool repair) {
   const int M = 32 * warp_entries(N);
-  // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot; the repair's scratch
-  return 2 * M * 4 + (4 * M + 1) * 2 * asize + (repair ? 16 + warp_repair_bytes(M, asize) : 0);
+  return warp_list_bytes(M, asize) + (repair ? 16 + warp_repair_bytes(M, asize) : 0);   // + the repair's scratch
 }
 
 // Ask for the line holding byte `lane * 128` of a row of `bytes` bytes (<= 4 KB) to be brought into L2: a warp
@@ -915,8 +917,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     const int cnt0 = s_off[1];
     A cv = lane < cnt0 ? subv(s_xv[s_sp0[lane]], s_y0[lane]) : zero_v<A>();   // c = x - y, zero off the support
     // the log staged into the lists' space (free now) a piece at a time: one device-memory latency per piece
-    constexpr int area = 2 * M * 4 + (4 * M + 1) * 2 * (int)sizeof(A);
-    constexpr int cap = area / ((int)sizeof(A) + 4);   // entries per piece (>= 32: a step's entries fit)
+    constexpr int cap = warp_list_bytes(M, sizeof(A)) / ((int)sizeof(A) + 4);   // entries per piece (>= 32)
     A* sd = reinterpret_cast<A*>(smem);
     int* sw = reinterpret_cast<int*>(sd + cap);
     for (int k = REPAIR_FROM; k < Tc;) {
