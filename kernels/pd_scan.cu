@@ -61,11 +61,9 @@ __device__ __forceinline__ void atomic_add_v(float2* p, float2 v) { atomicAdd(&p
 __device__ __forceinline__ void red_add(float* p, float v) {
   asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void red_add_v2(float2* p, float2 v) {
+__device__ __forceinline__ void red_add_v2(float2* p, float2 v) {   // sm_90, as the rest of this file
   asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
 }
-#endif
 __device__ __forceinline__ float ldcg_v(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg_v(const float2* p) { return __ldcg(p); }
 
@@ -896,12 +894,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   // out[i] += v as a reduction (REDG: fire and forget; atomicAdd compiles to an ATOMG that costs the repair ~3x)
   auto red_out = [&](size_t i, A v) {
     if constexpr (K == CPLX) {
-#if __CUDA_ARCH__ >= 900
       red_add_v2(static_cast<float2*>(a.out_re) + i, v);
-#else
-      red_add(&(static_cast<float2*>(a.out_re) + i)->x, v.x);
-      red_add(&(static_cast<float2*>(a.out_re) + i)->y, v.y);
-#endif
     } else if constexpr (K == SPLIT) {
       red_add(static_cast<float*>(a.out_re) + i, v.x);
       red_add(static_cast<float*>(a.out_im) + i, v.y);
