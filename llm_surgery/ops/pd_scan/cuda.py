@@ -27,6 +27,7 @@ P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -178,6 +179,13 @@ def _algo_code(algo, S, L, N, bwd, bf16=False):
     return _ALGOS[algo]
 
 
+@functools.lru_cache(maxsize=None)
+def _warp_blocks_per_sm(ext, kind, bf16, N):
+    """Warps of the warp forward kernel one SM holds (the CUDA occupancy API), asked once per kernel variant
+    rather than on every call."""
+    return ext.warp_blocks_per_sm(kind, int(bf16), N)
+
+
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB. Warp
@@ -189,9 +197,8 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         while T > 16 and S * -(-L // T) < 4 * sms:
             T //= 2
-        resident = sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
-        if T == 128 and S * -(-L // T) > resident >= S * -(-L // (2 * T)):
-            T *= 2
+        if T == 128 and S * -(-L // T) > sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N) >= S * -(-L // 256):
+            T = 256
         return T
     T = 16
     while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
