@@ -16,8 +16,8 @@
 // A second forward, pd_fwd_warp_kernel (one warp per chunk, the scatter done as a gather over per-step lists,
 // O(N) shared memory, inputs streamed from device memory), runs the same three phases; it is the faster one for
 // N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md). Its replay re-reads the chunk, except
-// (fp32 outputs) where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the
-// entering state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log.
+// where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the entering
+// state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log.
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
@@ -574,7 +574,7 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
   const int e = (N + 31) / 32;
   return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
 }
-// The repair (fp32 outputs): phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
+// The repair: phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
 // stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps)
 constexpr int REPAIR_FROM = 16;
 constexpr int REPAIR_MAX_T = 256;
@@ -584,9 +584,9 @@ __host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   
 __host__ __device__ constexpr int warp_list_bytes(int M, int asize) {
   return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
 }
-__host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize, bool repair) {
+__host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
   const int M = 32 * warp_entries(N);
-  return warp_list_bytes(M, asize) + (repair ? 16 + warp_repair_bytes(M, asize) : 0);   // + the repair's scratch
+  return warp_list_bytes(M, asize) + 16 + warp_repair_bytes(M, asize);   // + the repair's scratch
 }
 
 // Ask for the line holding byte `lane * 128` of a row of `bytes` bytes (<= 4 KB) to be brought into L2: a warp
@@ -610,6 +610,14 @@ struct WarpStepIn {   // inputs of one step for a lane's E entries
   int p[E];
   A d[E], b[E];
 };
+
+// A bf16 element of a step's row as fp32, 0 where !pred: one predicated load. Written as `pred ? load : 0`,
+// the compiler put split bf16's loads behind branches, each waiting for the one before (phase 1 2x slower).
+__device__ __forceinline__ float ldg_bf16_if(const __nv_bfloat16* p, bool pred) {
+  unsigned v = 0;
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u16 %0, [%1];\n}" : "+r"(v) : "l"(p), "r"((int)pred));
+  return __uint_as_float(v << 16);
+}
 
 // Sorted form of a chunk's aggregate, as lane `lane` holds it: sorted positions k = lane E + i, key
 // (dest << 16 | source) (0xffff0000 past N: destination 0xffff, source 0, factor 0), and the source's factor.
@@ -693,8 +701,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   A* s_d = reinterpret_cast<A*>(s_key + M);
   A* s_st = s_d + M;
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
-  // the repair's scratch (fp32 outputs only; see REPAIR_FROM)
-  constexpr bool kRepair = sizeof(In) == 4;
+  // the repair's scratch (see REPAIR_FROM)
+  constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
   A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step REPAIR_FROM - 1
   A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step REPAIR_FROM - 1
@@ -715,18 +723,25 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state, and the
   // largest raw value kept to report a contract violation once at the end
   unsigned pmax = 0;
-  // element j of a step's row: planes already offset to the lane's first entry of the row
+  using StepIn = WarpStepIn<A, E>;
+  // element j of a step's row (0 past N): planes already offset to the lane's first entry of the row
   auto gload = [&](const void* re, const void* im, int j) -> A {
-    if constexpr (K == REAL) return to_f(__ldg(static_cast<const In*>(re) + 32 * j));
+    const bool lv = live(j);
+    if constexpr (sizeof(In) == 2) {
+      const auto* r = static_cast<const __nv_bfloat16*>(re) + 32 * j;
+      if constexpr (K == SPLIT)
+        return make_float2(ldg_bf16_if(r, lv), ldg_bf16_if(static_cast<const __nv_bfloat16*>(im) + 32 * j, lv));
+      else return ldg_bf16_if(r, lv);
+    } else if constexpr (K == REAL) return lv ? __ldg(static_cast<const float*>(re) + 32 * j) : 0.f;
     else if constexpr (K == SPLIT)
-      return make_float2(to_f(__ldg(static_cast<const In*>(re) + 32 * j)),
-                         to_f(__ldg(static_cast<const In*>(im) + 32 * j)));
-    else return __ldg(static_cast<const float2*>(re) + 32 * j);
+      return lv ? make_float2(__ldg(static_cast<const float*>(re) + 32 * j), __ldg(static_cast<const float*>(im) + 32 * j))
+                : zero_v<A>();
+    else return lv ? __ldg(static_cast<const float2*>(re) + 32 * j) : zero_v<A>();
   };
   auto plane = [&](const void* base, size_t i) -> const void* {
     return static_cast<const unsigned char*>(base) + i * R::esize;
   };
-  auto load_step = [&](int k, WarpStepIn<A, E>& s) {
+  auto load_step = [&](int k, StepIn& s) {
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
     constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
@@ -746,10 +761,9 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     const void *bre = plane(a.a1_re, i0), *bim = K == SPLIT ? plane(a.a1_im, i0) : nullptr;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      const bool lv = live(j);
-      s.p[j] = lv ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
-      s.d[j] = lv ? gload(dre, dim, j) : zero_v<A>();
-      s.b[j] = lv ? gload(bre, bim, j) : zero_v<A>();
+      s.p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
+      s.d[j] = gload(dre, dim, j);
+      s.b[j] = gload(bre, bim, j);
     }
   };
   auto slot_off = [&](int bp, int m) { return slots_at + (bp * M + m) * (int)sizeof(Slot); };
@@ -806,7 +820,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   A x[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
-  WarpStepIn<A, E> s0, s1, s2;
+  StepIn s0, s1, s2;
   A val[E];
   // the chunk's Tc steps in order, each step's inputs loaded two steps ahead and its lists built one step ahead:
   // step(k, inputs of step k, inputs of step k + 1)
@@ -821,18 +835,24 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       s1 = s2;
     }
   };
-  // The repair (fp32 outputs). A chunk whose composed map has collapsed onto at most 32 entries by step
+  // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step
   // REPAIR_FROM - 1 (random maps: ~2N/t entries after t steps) writes its zero-state outputs y_t from step
   // REPAIR_FROM on in phase 1, and logs how the entering state's part c moves on that support: per support entry
   // and step its factor D_t, the next entry merging into the same destination, and per destination its first
-  // source and position. After the look-back, 3. replays only the first REPAIR_FROM steps and then adds c_t to
-  // the support's outputs by streaming the log (no input is read twice, no data-dependent load on the chain).
+  // source and position (bf16 outputs: and y there, in fp32). After the look-back, 3. replays only the first
+  // REPAIR_FROM steps and then adds c_t to the support's outputs by streaming the log (no input is read twice, no
+  // data-dependent load on the chain). A log that fills up (a.rcap entries) sends the chunk back to the full replay.
   // phase 1 from the check on, in one register (phase 1 is at the register limit): lg = the log's length << 16 |
   // sp << 6 | scnt, where lane r < scnt holds the support's r-th position sp; lg > 0: the chunk is logged
   int lg = 0;
   auto log_d = [&]() { return static_cast<A*>(a.rlog) + (static_cast<size_t>(q) * C + c) * a.rcap; };
   auto log_w = [&]() {
     return reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
+           (static_cast<size_t>(q) * C + c) * a.rcap;
+  };
+  auto log_y = [&]() {   // bf16: fp32 zero-state y at each step's destinations, after the links
+    return reinterpret_cast<A*>(reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
+                                static_cast<size_t>(a.S) * C * a.rcap) +
            (static_cast<size_t>(q) * C + c) * a.rcap;
   };
   // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
@@ -851,7 +871,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       bits[j] = __ballot_sync(0xffffffffu, live(j) && s_img[lane + 32 * j]);
       cnt += __popc(bits[j]);
     }
-    if (cnt > 32 || cnt * (Tc - REPAIR_FROM) > a.rcap) return;
+    if (cnt > 32) return;
     int base = 0;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
@@ -872,6 +892,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, yv[j]);
     const int scnt = lg & 63, sp = (lg >> 6) & 1023, loff = lg >> 16;
+    if (loff + scnt > a.rcap) {   // the log is full: give up, the replay runs the whole chunk
+      lg = 0;
+      return;
+    }
     const bool src = lane < scnt;
     const Slot r = rw[sp];
     const int np = src ? r.link : N + lane;   // lanes past the support match nobody
@@ -887,6 +911,16 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     if (src) {
       log_d()[loff + lane] = r.v;
       log_w()[loff + lane] = link | (hw & 31) << 6 | (hw >> 5) << 11 | (lane < ncnt ? 1 << 22 : 0);
+    }
+    if constexpr (kLogY) {   // y at destination `lane`'s position, from the lane that holds it
+      const int pos = hw >> 5;
+      A yd = zero_v<A>();
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const A t = shfl_v(yv[j], pos & 31);
+        if ((pos >> 5) == j) yd = t;
+      }
+      if (lane < ncnt) log_y()[loff + lane] = yd;
     }
     if (lane == 0) s_off[k - REPAIR_FROM + 1] = loff + scnt;
     lg = (loff + scnt) << 16 | (hw >> 5) << 6 | ncnt;
@@ -910,9 +944,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     const int cnt0 = s_off[1];
     A cv = lane < cnt0 ? subv(s_xv[s_sp0[lane]], s_y0[lane]) : zero_v<A>();   // c = x - y, zero off the support
     // the log staged into the lists' space (free now) a piece at a time: one device-memory latency per piece
-    constexpr int cap = warp_list_bytes(M, sizeof(A)) / ((int)sizeof(A) + 4);   // entries per piece (>= 32)
+    constexpr int cap = warp_list_bytes(M, sizeof(A)) / ((kLogY ? 2 : 1) * (int)sizeof(A) + 4);   // per piece (>= 32)
     A* sd = reinterpret_cast<A*>(smem);
-    int* sw = reinterpret_cast<int*>(sd + cap);
+    A* sy = sd + cap;   // bf16 only
+    int* sw = reinterpret_cast<int*>(sd + (kLogY ? 2 : 1) * cap);
     for (int k = REPAIR_FROM; k < Tc;) {
       const int oa = s_off[k - REPAIR_FROM];
       int kb = k + 1;   // steps k .. kb - 1 make the piece
@@ -922,6 +957,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       for (int i = lane; i < ne; i += 32) {
         cp_async_small<sizeof(A)>(sd + i, log_d() + oa + i);
         cp_async_small<4>(sw + i, log_w() + oa + i);
+        if constexpr (kLogY) cp_async_small<sizeof(A)>(sy + i, log_y() + oa + i);
       }
       cp_async_wait_all();
       __syncwarp();
@@ -942,7 +978,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
         }
         const A cn = shfl_v(sum, (w >> 6) & 31);
         const bool dst = (w >> 22) & 1;
-        if (dst) red_out(row0 + static_cast<size_t>(k) * N + ((w >> 11) & 2047), cn);
+        if (dst) {
+          const size_t i = row0 + static_cast<size_t>(k) * N + ((w >> 11) & 2047);
+          // bf16: y + c rounded once (adding c to a rounded y would round twice, badly where they cancel)
+          if constexpr (kLogY) R::gstore(a.out_re, a.out_im, i, addv(sy[o + lane], cn));
+          else red_out(i, cn);
+        }
         cv = dst ? cn : zero_v<A>();
       }
     }
@@ -962,7 +1003,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    for_each_step(Tc, [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, bool more) {
+    for_each_step(Tc, [&](int k, StepIn& cur, StepIn& nx1, bool more) {
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
@@ -970,18 +1011,14 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur.b, y, nx1.p, more);
-      if constexpr (kRepair) {
-        if (lg > 0) support_step(k, rw, y);
-      }
+      if (lg > 0) support_step(k, rw, y);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         const Slot r = rw[pi[j]];
         d[j] = cmul(r.v, d[j]);
         pi[j] = r.link;
       }
-      if constexpr (kRepair) {
-        if (k == REPAIR_FROM - 1 && a.rcap > 0 && Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T) collapse_check(pi, y);
-      }
+      if (k == REPAIR_FROM - 1 && a.rcap > 0 && Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T) collapse_check(pi, y);
     });
     __syncwarp();   // every lane's last gathers from the rows are done: their space becomes scratch
     // sort the sources by destination (counting sort) and publish (key, d) in sorted order, y by destination
@@ -1089,7 +1126,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
 
   // 3. replay from the entering state, writing x: every step, or with a log only the steps before REPAIR_FROM
   const bool logged = lg > 0;
-  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, WarpStepIn<A, E>& cur, WarpStepIn<A, E>& nx1, bool more) {
+  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, StepIn& nx1, bool more) {
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
     scatter_step(val, cur.b, x, nx1.p, more);
@@ -1097,9 +1134,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
   });
-  if constexpr (kRepair) {
-    if (logged) repair(x);
-  }
+  if (logged) repair(x);
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
@@ -1271,7 +1306,7 @@ template <int K, typename In>
 int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
-  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize, sizeof(In) == 4);
+  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);

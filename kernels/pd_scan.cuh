@@ -19,7 +19,8 @@ struct ScanArgs {
   void* agg_v;      // [S*C*N] A  (forward: zero-state end y; backward: zero-carry exit v)
   void* incl;       // [S*C*N] A  inclusive state
   long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
-  void* rlog;       // warp forward's repair log: [S*C*rcap] A (factors), then [S*C*rcap] int (links, positions)
+  void* rlog;       // warp forward's repair log: [S*C*rcap] A (factors), then [S*C*rcap] int (links, positions),
+                    // then (bf16 outputs) [S*C*rcap] A (zero-state y at each step's destinations)
   int S, L, N, T, C;
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
   int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel

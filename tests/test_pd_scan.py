@@ -126,15 +126,17 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
 
 
 def test_cuda_repair_log_capacity_without_a_gpu():
-    """The warp forward's repair log: T N / 4 entries per chunk for fp32 chunks of 24..256 steps, else none."""
+    """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..256 steps (bf16: 128..256),
+    else none."""
     from llm_surgery.ops.pd_scan import cuda
 
     warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
-    assert cuda._repair_capacity(warp, False, False, 128, 128) == 4096
-    assert cuda._repair_capacity(warp, False, False, 24, 16) == 96
+    assert cuda._repair_capacity(warp, False, False, 128, 128) == 2048
+    assert cuda._repair_capacity(warp, False, False, 24, 16) == 48
     assert cuda._repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
     assert cuda._repair_capacity(warp, False, False, 512, 128) == 0    # past the kernel's step table
-    assert cuda._repair_capacity(warp, False, True, 128, 128) == 0     # bfloat16 outputs: no repair
+    assert cuda._repair_capacity(warp, False, True, 256, 128) == 4096  # bfloat16 outputs: long chunks only
+    assert cuda._repair_capacity(warp, False, True, 64, 128) == 0
     assert cuda._repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
     assert cuda._repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
 

@@ -27,11 +27,16 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         P = torch.randint(0, 2, (S, L, N), device="cuda", generator=g)
     elif pmode == "perm":
         P = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
+    elif pmode == "ring32":   # every entry into the first 32, which rotate: the support never drops below 32
+        P = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
+        P = P.expand(S, L, N).contiguous()
     else:
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
     mag = 0.3 + 0.65 * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64)
     if pmode == "collide":
         mag = mag / N
+    elif pmode == "ring32":
+        mag = mag * 32 / N
     if cplx:
         D = torch.polar(mag, 2 * math.pi * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64))
         b = torch.randn(S, L, N, device="cuda", generator=g, dtype=torch.complex128)
@@ -78,11 +83,12 @@ def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
     assert _rel(gD, gD_ref) < 1e-5 and _rel(gb, gb_ref) < 1e-5 and _rel(gx0, gx0_ref) < 1e-5
 
 
-@pytest.mark.parametrize("pmode", ["random", "collide", "perm"])
+@pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
 def test_warp_repair_matches_reference(pmode, form):
     """Chunks of >= 24 steps: the warp forward repairs collapsed chunks from its log (random, collide) and replays
-    the others (perm); either way the outputs match the float64 loop to fp32 accuracy."""
+    the others (perm; ring32 from where its log fills up); either way the outputs match the float64 loop to fp32
+    accuracy."""
     K = _cuda()
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode=pmode, seed=11)
     dt = torch.float32 if form == "f32" else torch.complex64
@@ -96,6 +102,37 @@ def test_warp_repair_matches_reference(pmode, form):
         else:
             x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
         assert _rel(x, x_ref) < 1e-6, (chunk, _rel(x, x_ref))
+
+
+@pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])
+@pytest.mark.parametrize("form", ["bf16", "split_bf16"])
+def test_warp_repair_bf16_rounds_once(pmode, form):
+    """bf16 outputs of repaired chunks (>= 128 steps) are y + c in fp32 rounded once: every element within one bf16
+    rounding (2^-8 relative) of the float64 loop, plus fp32 noise, where adding c to a rounded y could be off by
+    far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
+    to the full replay."""
+    K = _cuda()
+    cplx = form == "split_bf16"
+    P, D, b, x0, _ = _inputs(2, 1500, 128, cplx, pmode=pmode, seed=13)
+    bf = lambda t: t.to(torch.bfloat16).contiguous()
+    if cplx:
+        Dr, Di, br, bi = (bf(t) for t in (D.real, D.imag, b.real, b.imag))
+        x0k = x0.to(torch.complex64)
+        x_ref = _naive(P, torch.complex(Dr.double(), Di.double()), torch.complex(br.double(), bi.double()),
+                       x0k.to(torch.complex128))
+    else:
+        Dk, bk, x0k = bf(D), bf(b), x0.to(torch.float32)
+        x_ref = _naive(P, Dk.double(), bk.double(), x0k.double())
+    parts = (lambda t: (t.real, t.imag)) if cplx else (lambda t: (t,))
+    for chunk in (None, 64, 128, 256):
+        if cplx:
+            x = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, x0k, chunk=chunk, algo="warp")
+        else:
+            x = (K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp"),)
+        for got, ref in zip(x, parts(x_ref)):
+            bound = ref.abs() * 2.0 ** -8 * (1 + 1e-3) + 1e-6 * ref.abs().max()
+            worst = ((got.double() - ref).abs() - bound).max().item()
+            assert worst <= 0, (chunk, worst)
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide"])

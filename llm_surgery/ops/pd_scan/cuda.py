@@ -209,16 +209,18 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
 
 
 _REPAIR_MIN_T, _REPAIR_MAX_T = 24, 256   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T
+_REPAIR_MIN_T_BF16 = 128   # bf16 replays cost half as much: at 64-step chunks the log's work ate the saving
 
 
 def _repair_capacity(code, bwd, bf16, T, N):
-    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full; bfloat16
-    outputs have no repair). The kernel logs a chunk when the entering state's support after 16 steps, times the
-    steps left, fits: T N / 4 holds a support of ~N/4 entries (random maps keep ~2N/16), at 12 bytes an entry for
-    complex (0.375x the outputs' size)."""
-    if bwd or bf16 or code != _ALGOS["warp"] or not _REPAIR_MIN_T <= T <= _REPAIR_MAX_T:
+    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full). The kernel
+    logs a chunk whose entering state's support has collapsed to <= 32 entries after 16 steps; a chunk whose log
+    fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
+    leaves 3x room at T=64 (T N / 16 lost 7-10% at L=2048 to fallbacks). At 12 bytes an entry (complex fp32; 20
+    with bf16 outputs, whose log also keeps y) that is 0.19x the complex outputs' size."""
+    if bwd or code != _ALGOS["warp"] or not (_REPAIR_MIN_T_BF16 if bf16 else _REPAIR_MIN_T) <= T <= _REPAIR_MAX_T:
         return 0
-    return T * N // 4
+    return T * N // 8
 
 
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
@@ -238,7 +240,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
         prof = torch.zeros(S * C, 8, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
     rcap = _repair_capacity(code, bwd, bf16, T, N)
-    rlog = torch.empty(S * C * rcap * (comps + 1), dtype=torch.int32, device=device) if rcap else None
+    words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
+    rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog)]
     with torch.cuda.device(device):
