@@ -1,0 +1,69 @@
+"""Where the warp forward's time goes past the average chunk (clock64 probes, one H100/H200 launch per case):
+per-SM busy spans, phase means and tails, and the chunks that end last. The kernel ends with its slowest
+chunk, and in one wave the chunks late in a sequence look back the furthest (docs/bench/kernels.md, session 16).
+
+    PYTHONPATH=.:bench python bench/pd_scan_tail.py
+"""
+import torch
+
+from llm_surgery.ops.pd_scan import cuda as K
+from pd_scan_bench import fwd_fn, inputs_for
+
+S, N = 32, 128
+
+
+def stats(v):
+    return f"mean {v.mean():.0f} p50 {v.median():.0f} p99 {v.quantile(0.99):.0f} max {v.max():.0f}"
+
+
+def main():
+    for kind, L in [("c64", 16384), ("split_bf16", 16384), ("c64", 8192), ("c64", 2048)]:
+        f = fwd_fn(kind, inputs_for(kind, S, L, N, 1)[0], None, "warp")
+        f()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(10):
+            f()
+        t1.record()
+        torch.cuda.synchronize()
+        ms = t0.elapsed_time(t1) / 10
+        K._state["profile"] = True
+        f()
+        torch.cuda.synchronize()
+        K._state["profile"] = False
+        pr, _, C, T = K._state.pop("last_profile")
+        pr = pr.cpu().double()   # per chunk: start, staged, aggregate out, look-back found, entering state, end
+        slow = pr[:, 6] >= 0     # chunks that ran phase 1 (the others start from a published state)
+        zero = torch.zeros(pr.shape[0], dtype=pr.dtype)
+        life = pr[:, 5] - pr[:, 0]
+        wait = torch.where(slow, pr[:, 3] - pr[:, 2], zero)
+        apply = torch.where(slow, pr[:, 4] - pr[:, 3], zero)
+        sm = pr[:, 7]
+        spans, last, offs = [], [], []
+        for m in sm.unique():   # clock64 is per SM: compare chunks only within one
+            sel = torch.nonzero(sm == m).flatten()
+            spans.append(pr[sel, 5].max() - pr[sel, 0].min())
+            last.append(sel[pr[sel, 5].argmax()])
+            offs.append(pr[sel, 0] - pr[sel, 0].min())
+        last = torch.stack(last)
+        print(f"== {kind} L={L} T={T} C={C} chunks={pr.shape[0]} kernel {ms:.4f} ms")
+        print(f"  SM busy span (cycles): {stats(torch.stack(spans))}")
+        print(f"  lifetime {stats(life)}")
+        print(f"  phase 1 {stats((pr[:, 2] - pr[:, 1])[slow])}")
+        print(f"  wait {stats(wait[slow])}")
+        print(f"  apply {stats(apply[slow])}")
+        print(f"  replay+repair {stats(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))}")
+        print(f"  look-back distance {stats(pr[slow, 6])}")
+        print(f"  start offset within an SM {stats(torch.cat(offs))}")
+        print(f"  last chunk on each SM: lifetime {stats(life[last])}; apply {stats(apply[last])}; "
+              f"distance {stats(pr[last, 6])}")
+        chunk = torch.arange(pr.shape[0]) // S   # tickets are chunk-major
+        for lo, hi in [(0, C // 4), (C // 4, C // 2), (C // 2, 3 * C // 4), (3 * C // 4, C)]:
+            sel = (chunk >= lo) & (chunk < hi)
+            print(f"  chunks {lo}-{hi - 1}: lifetime mean {life[sel].mean():.0f} max {life[sel].max():.0f}, "
+                  f"apply mean {apply[sel].mean():.0f}, wait mean {wait[sel].mean():.0f}")
+
+
+if __name__ == "__main__":
+    main()
