@@ -6,6 +6,7 @@ chunk, and in one wave the chunks late in a sequence look back the furthest (doc
 """
 import torch
 
+from cuda_timing import median_ms
 from llm_surgery.ops.pd_scan import cuda as K
 from pd_scan_bench import fwd_fn, inputs_for
 
@@ -19,15 +20,7 @@ def stats(v):
 def main():
     for kind, L in [("c64", 16384), ("split_bf16", 16384), ("c64", 8192), ("c64", 2048)]:
         f = fwd_fn(kind, inputs_for(kind, S, L, N, 1)[0], None, "warp")
-        f()
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(10):
-            f()
-        t1.record()
-        torch.cuda.synchronize()
-        ms = t0.elapsed_time(t1) / 10
+        ms = median_ms(f)
         K._state["profile"] = True
         f()
         torch.cuda.synchronize()
@@ -47,7 +40,7 @@ def main():
             last.append(sel[pr[sel, 5].argmax()])
             offs.append(pr[sel, 0] - pr[sel, 0].min())
         last = torch.stack(last)
-        print(f"== {kind} L={L} T={T} C={C} chunks={pr.shape[0]} kernel {ms:.4f} ms")
+        print(f"== {kind} L={L} T={T} C={C} chunks={pr.shape[0]} one eager call {ms:.4f} ms (median; the launch and the wrapper's allocations included)")
         print(f"  SM busy span (cycles): {stats(torch.stack(spans))}")
         print(f"  lifetime {stats(life)}")
         print(f"  phase 1 {stats((pr[:, 2] - pr[:, 1])[slow])}")
