@@ -35,8 +35,8 @@ def main(path):
               f"{100 * num(r, stall) / tot_stall:4.1f}%  {r[1].strip()[:60]}")
     print("\nby stall samples: share, short / long scoreboard samples, executions, SASS")
     for r in sorted(data, key=lambda r: -num(r, stall))[:16]:
-        print(f"  {100 * num(r, stall) / tot_stall:4.1f}%  {num(r, 'stall_short_sb'):6.0f} {num(r, 'stall_long_sb'):6.0f}  "
-              f"{num(r, inst):9.0f}  {r[1].strip()[:60]}")
+        print(f"  {100 * num(r, stall) / tot_stall:4.1f}%  {num(r, 'stall_short_sb'):6.0f} "
+              f"{num(r, 'stall_long_sb'):6.0f}  {num(r, inst):9.0f}  {r[1].strip()[:60]}")
 
 
 if __name__ == "__main__":

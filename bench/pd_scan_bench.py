@@ -465,7 +465,8 @@ def main():
         say("\n## forward kernel anatomy (clock64 cycles per block, means; B=32, N=128)")
         say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
         say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64", "split_bf16") for L in (2048, 16384)] + \
+        for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64", "split_bf16")
+                                 for L in (2048, 16384)] + \
                                 [("warp", "split_bf16", 128, None)] + \
                                 [("warp", "c64", 16384, T) for T in (16, 32, 64)] + \
                                 [("block", k, L, None) for k in ("c64", "split_bf16") for L in (2048, 16384)]:

@@ -40,7 +40,8 @@ def main():
             last.append(sel[pr[sel, 5].argmax()])
             offs.append(pr[sel, 0] - pr[sel, 0].min())
         last = torch.stack(last)
-        print(f"== {kind} L={L} T={T} C={C} chunks={pr.shape[0]} one eager call {ms:.4f} ms (median; the launch and the wrapper's allocations included)")
+        print(f"== {kind} L={L} T={T} C={C} chunks={pr.shape[0]} one eager call {ms:.4f} ms "
+              "(median; the launch and the wrapper's allocations included)")
         print(f"  SM busy span (cycles): {stats(torch.stack(spans))}")
         print(f"  lifetime {stats(life)}")
         print(f"  phase 1 {stats((pr[:, 2] - pr[:, 1])[slow])}")

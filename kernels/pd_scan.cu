@@ -615,7 +615,8 @@ struct WarpStepIn {   // inputs of one step for a lane's E entries
 // the compiler put split bf16's loads behind branches, each waiting for the one before (phase 1 2x slower).
 __device__ __forceinline__ float ldg_bf16_if(const __nv_bfloat16* p, bool pred) {
   unsigned v = 0;
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u16 %0, [%1];\n}" : "+r"(v) : "l"(p), "r"((int)pred));
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u16 %0, [%1];\n}"
+      : "+r"(v) : "l"(p), "r"((int)pred));
   return __uint_as_float(v << 16);
 }
 
@@ -734,7 +735,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       else return ldg_bf16_if(r, lv);
     } else if constexpr (K == REAL) return lv ? __ldg(static_cast<const float*>(re) + 32 * j) : 0.f;
     else if constexpr (K == SPLIT)
-      return lv ? make_float2(__ldg(static_cast<const float*>(re) + 32 * j), __ldg(static_cast<const float*>(im) + 32 * j))
+      return lv ? make_float2(__ldg(static_cast<const float*>(re) + 32 * j),
+                              __ldg(static_cast<const float*>(im) + 32 * j))
                 : zero_v<A>();
     else return lv ? __ldg(static_cast<const float2*>(re) + 32 * j) : zero_v<A>();
   };
@@ -850,9 +852,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     return reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
            (static_cast<size_t>(q) * C + c) * a.rcap;
   };
-  auto log_y = [&]() {   // bf16: fp32 zero-state y at each step's destinations, after the links
-    return reinterpret_cast<A*>(reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
-                                static_cast<size_t>(a.S) * C * a.rcap) +
+  auto log_y = [&]() {   // bf16: fp32 zero-state y at each step's destinations, after the link words
+    return reinterpret_cast<A*>(
+               reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
+               static_cast<size_t>(a.S) * C * a.rcap) +
            (static_cast<size_t>(q) * C + c) * a.rcap;
   };
   // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
