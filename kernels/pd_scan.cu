@@ -847,16 +847,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   // phase 1 from the check on, in one register (phase 1 is at the register limit): lg = the log's length << 16 |
   // sp << 6 | scnt, where lane r < scnt holds the support's r-th position sp; lg > 0: the chunk is logged
   int lg = 0;
-  auto log_d = [&]() { return static_cast<A*>(a.rlog) + (static_cast<size_t>(q) * C + c) * a.rcap; };
-  auto log_w = [&]() {
-    return reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
-           (static_cast<size_t>(q) * C + c) * a.rcap;
-  };
-  auto log_y = [&]() {   // bf16: fp32 zero-state y at each step's destinations, after the link words
-    return reinterpret_cast<A*>(
-               reinterpret_cast<int*>(static_cast<A*>(a.rlog) + static_cast<size_t>(a.S) * C * a.rcap) +
-               static_cast<size_t>(a.S) * C * a.rcap) +
-           (static_cast<size_t>(q) * C + c) * a.rcap;
+  // the log's planes (a.rcap entries per chunk, recomputed where used rather than held in registers): factors
+  // (A), link words (int), and with bf16 outputs the zero-state y at each step's destinations (A)
+  auto log_plane = [&]() { return static_cast<size_t>(a.S) * C * a.rcap; };   // entries of one plane
+  auto log_at = [&]() { return (static_cast<size_t>(q) * C + c) * a.rcap; };   // this chunk's first entry
+  auto log_d = [&]() { return static_cast<A*>(a.rlog) + log_at(); };
+  auto log_w = [&]() { return reinterpret_cast<int*>(static_cast<A*>(a.rlog) + log_plane()) + log_at(); };
+  auto log_y = [&]() {
+    return reinterpret_cast<A*>(reinterpret_cast<int*>(static_cast<A*>(a.rlog) + log_plane()) + log_plane()) +
+           log_at();
   };
   // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
   auto collapse_check = [&](const int (&pim)[E], const A (&yv)[E]) {
@@ -947,10 +946,11 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     const int cnt0 = s_off[1];
     A cv = lane < cnt0 ? subv(s_xv[s_sp0[lane]], s_y0[lane]) : zero_v<A>();   // c = x - y, zero off the support
     // the log staged into the lists' space (free now) a piece at a time: one device-memory latency per piece
-    constexpr int cap = warp_list_bytes(M, sizeof(A)) / ((kLogY ? 2 : 1) * (int)sizeof(A) + 4);   // per piece (>= 32)
+    constexpr int a_planes = kLogY ? 2 : 1;   // A-sized planes of the log: factors, (bf16) y
+    constexpr int cap = warp_list_bytes(M, sizeof(A)) / (a_planes * (int)sizeof(A) + 4);   // per piece (>= 32)
     A* sd = reinterpret_cast<A*>(smem);
     A* sy = sd + cap;   // bf16 only
-    int* sw = reinterpret_cast<int*>(sd + (kLogY ? 2 : 1) * cap);
+    int* sw = reinterpret_cast<int*>(sd + a_planes * cap);
     for (int k = REPAIR_FROM; k < Tc;) {
       const int oa = s_off[k - REPAIR_FROM];
       int kb = k + 1;   // steps k .. kb - 1 make the piece
