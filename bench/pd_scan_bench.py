@@ -314,6 +314,27 @@ def bwd_fn(kind, s, chunk):
     return lambda: K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=chunk)
 
 
+def profiled_launch(fn):
+    """One launch of fn with the forward's clock64 probes on: (probes [chunks, 8] as float64, C, T)."""
+    K._state["profile"] = True
+    fn()
+    torch.cuda.synchronize()
+    K._state["profile"] = False
+    pr, _, C, T = K._state.pop("last_profile")
+    return pr.cpu().double(), C, T
+
+
+def chunk_phases(pr):
+    """Per chunk, from its probes (start, staged, aggregate out, look-back found, entering state, end): cycles of
+    its life and of each phase. `slow` marks the chunks that ran phase 1 and the look-back; the others started
+    from a published state and count 0 there."""
+    slow = pr[:, 6] >= 0
+    zero = torch.zeros_like(pr[:, 0])
+    return dict(slow=slow, load=pr[:, 1] - pr[:, 0], phase1=torch.where(slow, pr[:, 2] - pr[:, 1], zero),
+                wait=torch.where(slow, pr[:, 3] - pr[:, 2], zero), apply=torch.where(slow, pr[:, 4] - pr[:, 3], zero),
+                replay=pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]), life=pr[:, 5] - pr[:, 0])
+
+
 def time_kind(kind, S, L, N, chunk=None, which="fwd", algo="auto"):
     must = must_bytes(kind, S, L, N, which)
     nsets = rotations(must)
@@ -472,25 +493,19 @@ def main():
                                 [("block", k, L, None) for k in ("c64", "split_bf16") for L in (2048, 16384)]:
             s = inputs_for(kind, S, L, N, 1)[0]
             fwd_fn(kind, s, T, algo)()
-            K._state["profile"] = True
-            fwd_fn(kind, s, T, algo)()
-            torch.cuda.synchronize()
-            K._state["profile"] = False
-            pr, _, C, TT = K._state.pop("last_profile")
-            pr = pr.cpu().double()
-            fast = pr[:, 6] < 0
-            slow = ~fast
+            pr, C, TT = profiled_launch(fwd_fn(kind, s, T, algo))
+            ph = chunk_phases(pr)
+            slow = ph["slow"]
             f = lambda v: f"{v.mean().item():.0f}" if v.numel() else "-"
-            life = pr[:, 5] - pr[:, 0]
             # residency: per SM, mean number of blocks alive at each block's start
             alive = []
             for sm in pr[:, 7].unique()[:8]:
                 blk = pr[pr[:, 7] == sm]
                 for t0 in blk[:, 0][::7]:
                     alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
-            say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * fast.float().mean().item():.0f} | "
-                f"{f(pr[:, 1] - pr[:, 0])} | {f((pr[:, 2] - pr[:, 1])[slow])} | {f((pr[:, 3] - pr[:, 2])[slow])} | "
-                f"{f((pr[:, 4] - pr[:, 3])[slow])} | {f(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))} | {f(life)} | "
+            say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * (~slow).float().mean().item():.0f} | "
+                f"{f(ph['load'])} | {f(ph['phase1'][slow])} | {f(ph['wait'][slow])} | {f(ph['apply'][slow])} | "
+                f"{f(ph['replay'])} | {f(ph['life'])} | "
                 f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
             del s
     if "b192" not in skip:

@@ -7,8 +7,7 @@ chunk, and in one wave the chunks late in a sequence look back the furthest (doc
 import torch
 
 from cuda_timing import median_ms
-from llm_surgery.ops.pd_scan import cuda as K
-from pd_scan_bench import fwd_fn, inputs_for
+from pd_scan_bench import chunk_phases, fwd_fn, inputs_for, profiled_launch
 
 S, N = 32, 128
 
@@ -21,17 +20,9 @@ def main():
     for kind, L in [("c64", 16384), ("split_bf16", 16384), ("c64", 8192), ("c64", 2048)]:
         f = fwd_fn(kind, inputs_for(kind, S, L, N, 1)[0], None, "warp")
         ms = median_ms(f)
-        K._state["profile"] = True
-        f()
-        torch.cuda.synchronize()
-        K._state["profile"] = False
-        pr, _, C, T = K._state.pop("last_profile")
-        pr = pr.cpu().double()   # per chunk: start, staged, aggregate out, look-back found, entering state, end
-        slow = pr[:, 6] >= 0     # chunks that ran phase 1 (the others start from a published state)
-        zero = torch.zeros(pr.shape[0], dtype=pr.dtype)
-        life = pr[:, 5] - pr[:, 0]
-        wait = torch.where(slow, pr[:, 3] - pr[:, 2], zero)
-        apply = torch.where(slow, pr[:, 4] - pr[:, 3], zero)
+        pr, C, T = profiled_launch(f)
+        ph = chunk_phases(pr)
+        slow, life, wait, apply = ph["slow"], ph["life"], ph["wait"], ph["apply"]
         sm = pr[:, 7]
         spans, last, offs = [], [], []
         for m in sm.unique():   # clock64 is per SM: compare chunks only within one
@@ -44,10 +35,10 @@ def main():
               "(median; the launch and the wrapper's allocations included)")
         print(f"  SM busy span (cycles): {stats(torch.stack(spans))}")
         print(f"  lifetime {stats(life)}")
-        print(f"  phase 1 {stats((pr[:, 2] - pr[:, 1])[slow])}")
+        print(f"  phase 1 {stats(ph['phase1'][slow])}")
         print(f"  wait {stats(wait[slow])}")
         print(f"  apply {stats(apply[slow])}")
-        print(f"  replay+repair {stats(pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]))}")
+        print(f"  replay+repair {stats(ph['replay'])}")
         print(f"  look-back distance {stats(pr[slow, 6])}")
         print(f"  start offset within an SM {stats(torch.cat(offs))}")
         print(f"  last chunk on each SM: lifetime {stats(life[last])}; apply {stats(apply[last])}; "
