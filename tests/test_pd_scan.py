@@ -141,6 +141,19 @@ def test_cuda_repair_log_capacity_without_a_gpu():
     assert cuda._repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
 
 
+def test_cuda_repair_bounds_match_the_kernel_source():
+    """cuda.py's step bounds for logged chunks mirror the kernel's REPAIR_FROM + 8 and REPAIR_MAX_T (read from
+    kernels/pd_scan.cu, no GPU): a drift would size logs for chunks the kernel replays in full, or the reverse."""
+    import re
+    from llm_surgery.ops.pd_scan import cuda
+    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    const = {k: int(v) for k, v in re.findall(r"constexpr int (REPAIR_\w+) = (\d+);", src)}
+    assert set(const) == {"REPAIR_FROM", "REPAIR_MAX_T"}
+    assert "Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T" in src   # the kernel's own check
+    assert cuda._REPAIR_MIN_T == const["REPAIR_FROM"] + 8
+    assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

@@ -208,7 +208,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
-_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 256   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T
+_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 256   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T (a test compares)
 _REPAIR_MIN_T_BF16 = 128   # bf16 replays cost half as much: at 64-step chunks the log's work ate the saving
 
 
