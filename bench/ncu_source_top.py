@@ -37,6 +37,15 @@ def main(path):
     for r in sorted(data, key=lambda r: -num(r, stall))[:16]:
         print(f"  {100 * num(r, stall) / tot_stall:4.1f}%  {num(r, 'stall_short_sb'):6.0f} "
               f"{num(r, 'stall_long_sb'):6.0f}  {num(r, inst):9.0f}  {r[1].strip()[:60]}")
+    print("\nby opcode (moves together): share of the warp instructions executed")
+    ops = {}
+    for r in data:
+        words = r[1].split() or ["?"]
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # past a predicate
+        op = "MOV" if "MOV" in op else op.split(".")[0]
+        ops[op] = ops.get(op, 0.0) + num(r, inst)
+    tot_inst = sum(ops.values())
+    print("  " + "  ".join(f"{k} {100 * v / tot_inst:.1f}%" for k, v in sorted(ops.items(), key=lambda x: -x[1])[:14]))
 
 
 if __name__ == "__main__":
