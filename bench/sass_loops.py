@@ -57,7 +57,7 @@ def compile_cubin(src: Path, out: Path) -> dict:
 
 
 def step_loop(instrs: list[tuple[int, str]]) -> list[str]:
-    """The phase-1 step loop: the smallest backward-branch range holding both the lists' build (ATOMS.EXCH) and
+    """The phase-1 step loop: the smallest backward-branch range holding both the lists' build (shared atomics) and
     the support step's MATCH.ANY."""
     at = {a: i for i, (a, _) in enumerate(instrs)}
     best = None
@@ -66,7 +66,7 @@ def step_loop(instrs: list[tuple[int, str]]) -> list[str]:
         if not m or int(m.group(1), 16) > a or int(m.group(1), 16) not in at:
             continue
         body = [t for _, t in instrs[at[int(m.group(1), 16)]:i + 1]]
-        if any("ATOMS.EXCH" in t for t in body) and any("MATCH.ANY" in t for t in body):
+        if any("ATOMS" in t for t in body) and any("MATCH.ANY" in t for t in body):
             if best is None or len(body) < len(best):
                 best = body
     return best or []
