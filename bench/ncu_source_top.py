@@ -9,6 +9,8 @@ import csv
 import gzip
 import sys
 
+from sass_loops import opcode
+
 
 def main(path):
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
@@ -40,8 +42,7 @@ def main(path):
     print("\nby opcode (moves together): share of the warp instructions executed")
     ops = {}
     for r in data:
-        words = r[1].split() or ["?"]
-        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # past a predicate
+        op = opcode(r[1])
         op = "MOV" if "MOV" in op else op.split(".")[0]
         ops[op] = ops.get(op, 0.0) + num(r, inst)
     tot_inst = sum(ops.values())

@@ -37,6 +37,12 @@ def tag(mangled: str) -> str | None:
     return m and f"{KINDS[m.group(1)]:7s} {'f32 ' if m.group(2) == 'f' else 'bf16'} E={m.group(3)}"
 
 
+def opcode(line: str) -> str:
+    """A SASS instruction's full mnemonic (e.g. IMAD.MOV.U32), past its predicate if it has one."""
+    words = line.split() or ["?"]
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
 def compile_cubin(src: Path, out: Path) -> dict:
     """ptxas's registers and spill bytes per warp-kernel instantiation."""
     cmd = ["nvcc", "-arch=sm_90a", "-O3", "-std=c++17", "-cubin", "-I", str(ROOT / "kernels"), str(src),
@@ -87,8 +93,9 @@ def report(src: Path) -> None:
         instrs = [(int(m.group(1), 16), m.group(2).strip()) for m in
                   (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", l) for l in part.split("\n")) if m]
         body = step_loop(instrs)
-        ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body)
-        moves = sum(1 for t in body if "MOV" in t.split()[1 if t.startswith("@") else 0])
+        full = [opcode(t) for t in body]
+        ops = collections.Counter(op.split(".")[0] for op in full)
+        moves = sum("MOV" in op for op in full)
         r = info.get(name, {})
         rows.append(f"  {name}  regs {r.get('regs', '?'):>3}  spill {r.get('spill', '?'):>7}  loop {len(body):4d}"
                     f"  mov {moves:3d}  lds {ops['LDS']:2d}  sts {ops['STS']:2d}")
