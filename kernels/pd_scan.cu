@@ -598,8 +598,10 @@ __device__ __forceinline__ void l2_prefetch_row(const void* row, int bytes, int 
 
 // A slot written whole, padding included: one 16-byte (real A: 8-byte) shared store, where the two fields as
 // written separately took two stores and twice the shared-memory wavefronts
+// (the padding word is left undefined: zeroing it cost a move per store)
 __device__ __forceinline__ void put_slot(WarpSlot<float2>* p, float2 v, int link) {
-  *reinterpret_cast<int4*>(p) = make_int4(__float_as_int(v.x), __float_as_int(v.y), link, 0);
+  asm volatile("{\n .reg .b32 u;\n st.shared.v4.b32 [%0], {%1, %2, %3, u};\n}" ::"r"(smem_u32(p)),
+               "r"(__float_as_int(v.x)), "r"(__float_as_int(v.y)), "r"(link) : "memory");
 }
 __device__ __forceinline__ void put_slot(WarpSlot<float>* p, float v, int link) {
   *reinterpret_cast<int2*>(p) = make_int2(__float_as_int(v), link);
@@ -677,9 +679,10 @@ __device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (
   __syncwarp();   // stv, res are reused by the next application
 }
 
-// Split float32 at E = 4 needs more than the 128 registers that 16 warps per SM leave (spills cost it 30%): 12 warps
+// 16 warps per SM at E <= 4 (128 registers each; split float32 fits since its inputs stopped being copied between
+// pipeline buffers), 8 at E = 8
 template <int K, typename In, int E>
-__global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ? 12 : 16) : 8)) pd_fwd_warp_kernel(ScanArgs a) {
+__global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
   using Slot = WarpSlot<A>;
@@ -743,7 +746,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   auto plane = [&](const void* base, size_t i) -> const void* {
     return static_cast<const unsigned char*>(base) + i * R::esize;
   };
-  auto load_step = [&](int k, StepIn& s) {
+  // A step's inputs are loaded while the step before runs, into the registers of the inputs that step has used
+  // up (no copies between pipeline buffers); its P a step earlier still, for the lists built one step ahead.
+  // this lane's first entry of the chunk's first row; row k is k N elements on (an int: T N < 2^31)
+  const Idx* row_p = a.P + row0 + lane;
+  const void *row_d = plane(a.a0_re, row0 + lane), *row_b = plane(a.a1_re, row0 + lane);
+  const void *row_di = K == SPLIT ? plane(a.a0_im, row0 + lane) : nullptr;
+  const void *row_bi = K == SPLIT ? plane(a.a1_im, row0 + lane) : nullptr;
+  auto load_p = [&](int k, int (&p)[E]) {
+    const Idx* pp = row_p + k * N;
+#pragma unroll
+    for (int j = 0; j < E; ++j) p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
+  };
+  auto load_db = [&](int k, StepIn& s) {
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
     constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
@@ -757,13 +772,11 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
         l2_prefetch_row(plane(a.a1_im, ip), N * R::esize, lane);
       }
     }
-    const size_t i0 = row0 + static_cast<size_t>(k) * N + lane;
-    const Idx* pp = a.P + i0;
-    const void *dre = plane(a.a0_re, i0), *dim = K == SPLIT ? plane(a.a0_im, i0) : nullptr;
-    const void *bre = plane(a.a1_re, i0), *bim = K == SPLIT ? plane(a.a1_im, i0) : nullptr;
+    const int i0 = k * N;
+    const void *dre = plane(row_d, i0), *dim = K == SPLIT ? plane(row_di, i0) : nullptr;
+    const void *bre = plane(row_b, i0), *bim = K == SPLIT ? plane(row_bi, i0) : nullptr;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      s.p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
       s.d[j] = gload(dre, dim, j);
       s.b[j] = gload(bre, bim, j);
     }
@@ -782,23 +795,36 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     }
   };
   int lk[E];   // links of the slots the next scatter_step call fills (the old heads its lists' build returned)
-  // out <- base + scatter(this step's dest, val); has_next: build the following step's lists (dest `next`)
-  auto scatter_step = [&](const A (&val)[E], const A (&base)[E], A (&out)[E], int (&next)[E], bool has_next) {
+  // step k of n: out <- b_k + scatter(P_k, val), and the following step's lists built (from pn = P_{k+1}); the
+  // step's inputs are used up once the walk starts (callers read cur before), so cur then takes step k + 1's
+  // and pn P_{k+2}
+  auto scatter_step = [&](const A (&val)[E], StepIn& cur, A (&out)[E], int (&pn)[E], int k, int n) {
     int* hd = head + par * M;
 #pragma unroll
     for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);
     __syncwarp();
-    if (has_next) build(par ^ 1, next, lk);
+    if (k + 1 < n) build(par ^ 1, pn, lk);
     // the E lists walked side by side (E loads in flight); an ended list keeps loading the null slot
     int h[E];
     A acc[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      acc[j] = base[j];
       h[j] = hd[lane + 32 * j];
       hd[lane + 32 * j] = NUL;
     }
-    bool more = true;
+    // the first round of the walk apart, so that it adds b_k where a copy of b_k would start the sums
+    bool more = false;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const Slot s = *reinterpret_cast<const Slot*>(smem + h[j]);
+      acc[j] = addv(cur.b[j], s.v);
+      h[j] = s.link;
+      more |= h[j] != NUL;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) cur.p[j] = pn[j];
+    load_db(min(k + 1, n - 1), cur);   // past the end: a row of the chunk again (no branch around the loads)
+    load_p(min(k + 2, n - 1), pn);
     while (more) {
       more = false;
 #pragma unroll
@@ -822,20 +848,16 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   A x[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) x[j] = zero_v<A>();
-  StepIn s0, s1, s2;
+  StepIn cur;   // step k's inputs while step k runs, then (from the walk on) step k + 1's
+  int pn[E];    // P_{k+1} (the lists built during step k), then P_{k+2}
   A val[E];
-  // the chunk's Tc steps in order, each step's inputs loaded two steps ahead and its lists built one step ahead:
-  // step(k, inputs of step k, inputs of step k + 1)
-  auto for_each_step = [&](int n, auto&& step) {   // steps 0 .. n - 1
-    load_step(0, s0);
-    if (n > 1) load_step(1, s1);
-    build(par, s0.p, lk);   // the first step's lists
-    for (int k = 0; k < n; ++k) {
-      if (k + 2 < n) load_step(k + 2, s2);
-      step(k, s0, s1, k + 1 < n);
-      s0 = s1;
-      s1 = s2;
-    }
+  // steps 0 .. n - 1 in order: step(k, cur, pn, n), which calls scatter_step(val, cur, out, pn, k, n)
+  auto for_each_step = [&](int n, auto&& step) {
+    load_p(0, cur.p);
+    load_db(0, cur);
+    if (n > 1) load_p(1, pn);
+    build(par, cur.p, lk);   // the first step's lists
+    for (int k = 0; k < n; ++k) step(k, cur, pn, n);
   };
   // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step
   // REPAIR_FROM - 1 (random maps: ~2N/t entries after t steps) writes its zero-state outputs y_t from step
@@ -847,6 +869,13 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
   // phase 1 from the check on, in one register (phase 1 is at the register limit): lg = the log's length << 16 |
   // sp << 6 | scnt, where lane r < scnt holds the support's r-th position sp; lg > 0: the chunk is logged
   int lg = 0;
+  // Image tracking. Once the chunk's composed map has collapsed onto <= 32 entries (the check after step
+  // REPAIR_FROM - 1), every source follows the path of its image entry, so phase 1 follows the image alone:
+  // lane r holds entry r's position (tpos) and the factor its path has gathered since the check (tf), one
+  // gather a step instead of E; pi then holds each source's image rank and d its factor up to the check.
+  bool trk = false;
+  int tpos = 0;
+  A tf = one_v<A>();
   // the log's planes (a.rcap entries per chunk, recomputed where used rather than held in registers): factors
   // (A), link words (int), and with bf16 outputs the zero-state y at each step's destinations (A)
   auto log_plane = [&]() { return static_cast<size_t>(a.S) * C * a.rcap; };   // entries of one plane
@@ -858,7 +887,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
            log_at();
   };
   // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
-  auto collapse_check = [&](const int (&pim)[E], const A (&yv)[E]) {
+  auto collapse_check = [&](int (&pim)[E], const A (&yv)[E]) {
 #pragma unroll
     for (int j = 0; j < E; ++j) s_img[lane + 32 * j] = 0;
     __syncwarp();
@@ -875,18 +904,27 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
     }
     if (cnt > 32) return;
     int base = 0;
+    __syncwarp();   // every lane has read the flags: they become the image entries' ranks
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       if ((bits[j] >> lane) & 1u) {
         const int r = base + __popc(bits[j] & ((1u << lane) - 1u));
         s_sp0[r] = lane + 32 * j;
         s_y0[r] = yv[j];
+        s_img[lane + 32 * j] = r;
       }
       base += __popc(bits[j]);
     }
     if (lane == 0) s_off[0] = 0;
     __syncwarp();
-    lg = (lane < cnt ? s_sp0[lane] : 0) << 6 | cnt;
+    const int sp = lane < cnt ? s_sp0[lane] : 0;
+    if (E > 1) {
+      trk = true;
+      tpos = sp;
+#pragma unroll
+      for (int j = 0; j < E; ++j) pim[j] = live(j) ? s_img[pim[j]] : 0;
+    }
+    if (a.rcap > 0 && Tc <= REPAIR_MAX_T) lg = sp << 6 | cnt;
   };
   // phase 1's logged step k (rows rw of the step, y = y_k): write y_k, move the support, log the move
   auto support_step = [&](int k, const Slot* rw, const A (&yv)[E]) {
@@ -1006,23 +1044,37 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    for_each_step(Tc, [&](int k, StepIn& cur, StepIn& nx1, bool more) {
+    for_each_step(Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         put_slot(rw + lane + 32 * j, cur.d[j], cur.p[j]);
         val[j] = cmul(cur.d[j], y[j]);
       }
-      scatter_step(val, cur.b, y, nx1.p, more);
+      scatter_step(val, cur, y, pn, k, n);
       if (lg > 0) support_step(k, rw, y);
+      if (trk) {
+        const Slot r = rw[tpos];
+        tf = cmul(r.v, tf);
+        tpos = r.link;
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          const Slot r = rw[pi[j]];
+          d[j] = cmul(r.v, d[j]);
+          pi[j] = r.link;
+        }
+      }
+      if (k == REPAIR_FROM - 1 && Tc >= REPAIR_FROM + 8) collapse_check(pi, y);
+    });
+    if (trk) {   // back to one (pi, d) per source: its image entry's end position, its factor times the entry's
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const Slot r = rw[pi[j]];
-        d[j] = cmul(r.v, d[j]);
-        pi[j] = r.link;
+        const int r = pi[j];
+        pi[j] = __shfl_sync(0xffffffffu, tpos, r);
+        d[j] = cmul(shfl_v(tf, r), d[j]);
       }
-      if (k == REPAIR_FROM - 1 && a.rcap > 0 && Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T) collapse_check(pi, y);
-    });
+    }
     __syncwarp();   // every lane's last gathers from the rows are done: their space becomes scratch
     // sort the sources by destination (counting sort) and publish (key, d) in sorted order, y by destination
 #pragma unroll
@@ -1129,10 +1181,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? (K == SPLIT && sizeof(In) == 4 ?
 
   // 3. replay from the entering state, writing x: every step, or with a log only the steps before REPAIR_FROM
   const bool logged = lg > 0;
-  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, StepIn& nx1, bool more) {
+  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
-    scatter_step(val, cur.b, x, nx1.p, more);
+    scatter_step(val, cur, x, pn, k, n);
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);

@@ -149,7 +149,9 @@ def test_cuda_repair_bounds_match_the_kernel_source():
     src = (cuda._source_dir() / "pd_scan.cu").read_text()
     const = {k: int(v) for k, v in re.findall(r"constexpr int (REPAIR_\w+) = (\d+);", src)}
     assert set(const) == {"REPAIR_FROM", "REPAIR_MAX_T"}
-    assert "Tc >= REPAIR_FROM + 8 && Tc <= REPAIR_MAX_T" in src   # the kernel's own check
+    # the kernel's own checks: the collapse check from REPAIR_FROM + 8 steps, the log only up to REPAIR_MAX_T
+    assert "k == REPAIR_FROM - 1 && Tc >= REPAIR_FROM + 8" in src
+    assert "a.rcap > 0 && Tc <= REPAIR_MAX_T" in src
     assert cuda._REPAIR_MIN_T == const["REPAIR_FROM"] + 8
     assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
 
