@@ -2,7 +2,7 @@
 spill bytes ptxas reports, and the phase-1 step loop's size in SASS instructions (all, moves, shared loads and
 stores). A variant's effect on what a step issues can be read here before a device call times it.
 
-usage: python bench/sass_loops.py [FILE.cu ...]      (default kernels/pd_scan.cu; needs nvcc and cuobjdump,
+usage: PYTHONPATH=. python bench/sass_loops.py [FILE.cu ...]      (default kernels/pd_scan.cu; needs nvcc and cuobjdump,
                                                     from the CUDA toolkit or Triton's bundled copy)
 """
 
@@ -44,8 +44,10 @@ def opcode(line: str) -> str:
 
 
 def compile_cubin(src: Path, out: Path) -> dict:
-    """ptxas's registers and spill bytes per warp-kernel instantiation."""
-    cmd = ["nvcc", "-arch=sm_90a", "-O3", "-std=c++17", "-cubin", "-I", str(ROOT / "kernels"), str(src),
+    """ptxas's registers and spill bytes per warp-kernel instantiation, built with the extension's own nvcc flags
+    for the H100/H200 (sm_90)."""
+    from llm_surgery.ops.pd_scan.cuda import CUDA_CFLAGS
+    cmd = ["nvcc", "-arch=sm_90", *CUDA_CFLAGS, "-cubin", "-I", str(ROOT / "kernels"), str(src),
            "-o", str(out), "-Xptxas", "-v"]
     log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     info, name = {}, None

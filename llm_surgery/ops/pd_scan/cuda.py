@@ -57,6 +57,9 @@ def _source_dir() -> Path:
     raise FileNotFoundError("pd_scan CUDA sources not found (looked in llm_surgery/_kernels and the repo's kernels/)")
 
 
+CUDA_CFLAGS = ["-O3", "-std=c++17", "-lineinfo"]   # nvcc flags of the build (bench/sass_loops.py compiles with them too)
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
@@ -74,7 +77,7 @@ def _build():
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{cap[0]}.{cap[1]}"
     return load(name=f"llm_surgery_pd_scan_{digest}", sources=[str(src / f) for f in _SOURCES],
                 extra_include_paths=[str(src)], extra_cflags=["-O3", "-std=c++17"],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], build_directory=str(build_dir),
+                extra_cuda_cflags=CUDA_CFLAGS, build_directory=str(build_dir),
                 verbose=bool(os.environ.get("LLM_SURGERY_KERNEL_VERBOSE")))
 
 
