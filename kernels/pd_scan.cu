@@ -762,7 +762,9 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
     constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
-    if (l2_ahead > 0 && k + l2_ahead < Tc) {
+    // (only in launches without a repair log: chunks that are logged read each row once, and there the prefetch
+    // cost 3% in session 18)
+    if (l2_ahead > 0 && a.rcap == 0 && k + l2_ahead < Tc) {
       const size_t ip = row0 + static_cast<size_t>(k + l2_ahead) * N;
       l2_prefetch_row(a.P + ip, N * 2, lane);
       l2_prefetch_row(plane(a.a0_re, ip), N * R::esize, lane);
