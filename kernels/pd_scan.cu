@@ -276,8 +276,10 @@ __device__ __forceinline__ void stage_finish(uint64_t* bar, unsigned tx) {
 
 __host__ __device__ __forceinline__ int align16(int x) { return (x + 15) & ~15; }
 
+// A chunk's flag: 0 nothing yet, 1 its aggregate, bit 2 its inclusive state (the warp forward publishes 3 where the
+// chunk also has an aggregate, 2 where it had none: a chunk that found its entering state at its start).
 // Warp 0 scans the flags of chunks hi, hi+step, ... (step = -1 forward, +1 backward) until it finds the nearest
-// chunk with an inclusive state (flag 2) such that every chunk in between has at least its aggregate (flag 1).
+// chunk with an inclusive state such that every chunk in between has at least its aggregate.
 // Chunks outside [0, C) count as inclusive (the sequence's boundary state). Returns that chunk's index.
 __device__ __forceinline__ int look_back(const int* flags, int first, int step, int C) {
   __shared__ int s_j;
@@ -287,7 +289,7 @@ __device__ __forceinline__ int look_back(const int* flags, int first, int step, 
     while (true) {
       const int k = top + step * lane;
       const int f = (k < 0 || k >= C) ? 2 : *reinterpret_cast<const volatile int*>(flags + k);
-      const unsigned inc = __ballot_sync(0xffffffffu, f == 2);
+      const unsigned inc = __ballot_sync(0xffffffffu, (f & 2) != 0);
       const unsigned zer = __ballot_sync(0xffffffffu, f == 0);
       if (inc) {
         const int p = __ffs(inc) - 1;
@@ -312,7 +314,7 @@ __device__ __forceinline__ int look_back(const int* flags, int first, int step, 
 __device__ __forceinline__ int ready(const int* flag) {
   const int f = *reinterpret_cast<const volatile int*>(flag);
   __threadfence();
-  return f == 2;
+  return (f & 2) != 0;
 }
 
 __device__ __forceinline__ void publish_flag(int* flag, int v) {
@@ -584,6 +586,27 @@ __host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   
 __host__ __device__ constexpr int warp_list_bytes(int M, int asize) {
   return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
 }
+// The look-back's links. Random maps compose to few entries: a chunk's aggregate sends its sources to k distinct
+// entries (its image; ranks r in entry order, positions p_r), and its inclusive state is y + sum_r e_{p_r} s_r with
+// s_r the sum of d(m) x_in[m] over the sources m sent to rank r. For two such chunks in a row the sums follow
+// s'_r = u_r + sum of d'(p_r') s_r' over the predecessor's ranks r' whose position p_r' chunk i sends to rank r,
+// where u (chunk i's sums of chunk i-1's zero-state end y) is known once both have their aggregates. So every
+// chunk with k <= 32 publishes u and, per rank of its predecessor, where it goes with which factor, as soon as
+// its predecessor's aggregate is out, and a look-back crosses a run of such chunks with one application, then
+// per chunk a few shuffles across the ranks, then one scatter of k sums, where it applied every aggregate to the
+// whole state (~2.5k cycles each; the chunks late in a one-wave sequence applied up to 62, docs/bench/kernels.md).
+// A chunk's record, in 4-byte words: [0] k (0: more than 32 entries), [4 + r] p_r, [36 + r] a word: the first
+// predecessor rank sent to rank r (bits 0-5; 32: none), the next predecessor rank sent where rank r of the
+// predecessor goes (bits 8-13; 32: none), k (bits 16-21); then A values: [68 ..] the factor of the predecessor's
+// rank r, then u_r. Its link flag (0 not yet, 1 published, 2 none) says whether the part past the positions is
+// there (none: more than 32 entries here or in the predecessor, or no aggregate there).
+__host__ __device__ constexpr int link_words(int asize) { return 68 + 64 * asize / 4; }
+template <typename A>
+struct LinkIn {   // one chunk's link as lane r holds it: its word, the factor of the predecessor's rank r, u_r
+  int w;
+  A v, u;
+};
+
 __host__ __device__ __forceinline__ int warp_smem_bytes(int N, int asize) {
   const int M = 32 * warp_entries(N);
   return warp_list_bytes(M, asize) + 16 + warp_repair_bytes(M, asize);   // + the repair's scratch
@@ -846,6 +869,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* agg_d = static_cast<A*>(a.agg_d);
   A* agg_v = static_cast<A*>(a.agg_v);
   A* incl = static_cast<A*>(a.incl);
+  // the look-back's links (see link_words): the complex fp32 forms at 65-128 entries (E = 4) only, where they
+  // were measured faster. Compiled into the others they moved the step loop's register allocation: phase 1 up to
+  // 22% slower with bf16, real float32 up to 3% slower at L <= 2048 and no faster at L=16384, and the complex
+  // step loops at E = 1, 2, 8 grew by 1-12% in SASS, not timed (docs/bench/kernels.md, session 20)
+  constexpr bool kLinks = sizeof(In) == 4 && K != REAL && E == 4;
+  int* lflags = flags + static_cast<size_t>(a.S) * C + static_cast<size_t>(q) * C;   // this sequence's link flags
+  constexpr int LW = link_words(sizeof(A));
+  auto lrec = [&](int i) { return static_cast<int*>(a.link) + (static_cast<size_t>(q) * C + i) * LW; };
+  // after phase 1, until the replay, the lists' slots are scratch for this chunk's link: per source its image
+  // rank (s_g) and factor (s_dd), per rank its position (s_pos)
+  int* s_g = reinterpret_cast<int*>(slots);
+  A* s_dd = reinterpret_cast<A*>(s_g + M);
+  int* s_pos = reinterpret_cast<int*>(s_dd + M);
 
   A x[E];
 #pragma unroll
@@ -1086,18 +1122,43 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) rank[j] = live(j) ? atomicAdd(&s_cnt[pi[j]], 1) : 0;
     __syncwarp();
-    int cnt[E], run = 0;
+    int cnt[E], run = 0, nz = 0;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       cnt[i] = s_cnt[lane * E + i];
       run += cnt[i];
+      nz += cnt[i] > 0;
     }
-    int off = warp_inclusive_sum(run, lane) - run;
+    // one scan for the sort's offsets (low half) and the image's ranks (high half): both sum to <= N <= 256
+    const int both = warp_inclusive_sum(run | nz << 16, lane) - (run | nz << 16);
+    int off = both & 0xffff, rk = both >> 16;
+    // entries the aggregate sends its sources to (with no links, 33: "too many")
+    const int kimg = kLinks ? __shfl_sync(0xffffffffu, rk + nz, 31) : 33;
+    int* s_rank = reinterpret_cast<int*>(s_st);   // free until the look-back
+    if (kimg <= 32) {
+#pragma unroll
+      for (int i = 0; i < E; ++i)
+        if (cnt[i] > 0) {
+          s_rank[lane * E + i] = rk;
+          s_pos[rk] = lane * E + i;
+          lrec(c)[4 + rk] = lane * E + i;
+          ++rk;
+        }
+    }
+    if (kLinks && lane == 0) lrec(c)[0] = kimg <= 32 ? kimg : 0;
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       s_cnt[lane * E + i] = off;
       off += cnt[i];
+    }
+    if (kimg <= 32) {
+#pragma unroll
+      for (int j = 0; j < E; ++j)
+        if (live(j)) {
+          s_g[lane + 32 * j] = s_rank[pi[j]];
+          s_dd[lane + 32 * j] = d[j];
+        }
     }
     __syncwarp();
 #pragma unroll
@@ -1133,7 +1194,76 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     publish_flag(flags + static_cast<size_t>(q) * C + c, 1);
     if (prof && lane == 0) prof[2] = clock64();
 
-    // 2. look back to the nearest inclusive state; apply the aggregates in between (loads issued together)
+    auto lvals = [&](int i) { return reinterpret_cast<A*>(lrec(i) + 68); };   // [2][32]: factors, u
+    // links only with chunks of 16 steps or more: shorter chunks' look-backs are short, and the link costs an
+    // application (measured: L=128, 8-step chunks, 10% slower with links)
+    const bool links = kLinks && a.T >= 16;
+    auto load_agg = [&](int i, SortedAgg<A, E>& g) {
+      const size_t rb = (static_cast<size_t>(q) * C + i) * N;
+#pragma unroll
+      for (int ii = 0; ii < E; ++ii) {
+        const int k = lane * E + ii;
+        g.key[ii] = static_cast<int>(0xffff0000u);
+        g.d[ii] = zero_v<A>();
+        if (k < N) {
+          g.key[ii] = __ldcg(a.agg_pi + rb + k);
+          g.d[ii] = ldcg_v(agg_d + rb + k);
+        }
+      }
+    };
+    auto load_y = [&](int i, A (&yv)[E]) {
+#pragma unroll
+      for (int j = 0; j < E; ++j)
+        yv[j] = live(j) ? ldcg_v(agg_v + (static_cast<size_t>(q) * C + i) * N + lane + 32 * j) : zero_v<A>();
+    };
+    A zy[E], dump[E];   // a zero y, and outputs nobody reads (the applications below that want only s_res)
+#pragma unroll
+    for (int j = 0; j < E; ++j) zy[j] = zero_v<A>();
+
+    // this chunk's link from chunk c - 1's aggregate, for the look-backs of the chunks after it
+    if (links && c > 0) {
+      int lst = 2;
+      if (kimg <= 32) {
+        int fp = 0;
+        if (lane == 0)
+          while ((fp = *reinterpret_cast<const volatile int*>(flags + static_cast<size_t>(q) * C + c - 1)) == 0)
+            __nanosleep(64);
+        fp = __shfl_sync(0xffffffffu, fp, 0);
+        __threadfence();
+        const int kp = (fp & 1) ? __ldcg(lrec(c - 1)) : 0;   // chunk c - 1's k (0: no aggregate or too many)
+        if (kp > 0) {
+          A yp[E];
+          load_y(c - 1, yp);
+          const int pp = lane < kp ? __ldcg(lrec(c - 1) + 4 + lane) : 0;
+          apply_sorted(own, zy, yp, dump, s_st, s_res, lane);
+          const A u = lane < kimg ? s_res[s_pos[lane]] : zero_v<A>();
+          // the predecessor's rank r' (lane r') goes to this chunk's rank `row` with factor v. Its word: the first
+          // source of rank `lane` (32: none), the next source after r' with the same rank (32: none), and k.
+          const int row = lane < kp ? s_g[pp] : 32 + lane;
+          const A v = lane < kp ? s_dd[pp] : zero_v<A>();
+          const unsigned peers = __match_any_sync(0xffffffffu, row);
+          const unsigned above = peers & (0xfffffffeu << lane);
+          int* s_head = s_key;   // free once the own aggregate is in registers
+          s_head[lane] = 32;
+          __syncwarp();
+          if (lane < kp && __ffs(peers) - 1 == lane) s_head[row] = lane;
+          __syncwarp();
+          lrec(c)[36 + lane] = s_head[lane] | (lane < kp && above ? __ffs(above) - 1 : 32) << 8 | kimg << 16;
+          lvals(c)[lane] = v;
+          if (lane < kimg) lvals(c)[32 + lane] = u;
+          lst = 1;
+        }
+      }
+      if (lst == 1) {
+        publish_flag(lflags + c, 1);
+      } else {   // nothing to fence
+        __syncwarp();
+        if (lane == 0) atomicExch(lflags + c, 2);
+      }
+    }
+
+    // 2. look back to the nearest inclusive state and carry it to this chunk: a run of chunks with links in their
+    //    image sums, any other chunk by applying its aggregate to the whole state
     const int jb = look_back(flags + static_cast<size_t>(q) * C, c - 1, -1, C);
     if (prof && lane == 0) {
       prof[3] = clock64();
@@ -1142,32 +1272,126 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     A st[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) st[j] = live(j) ? entering_state<A>(a, q, jb + 1, lane + 32 * j) : zero_v<A>();
-    constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
-    for (int i0 = jb + 1; i0 < c; i0 += LBW) {
-      SortedAgg<A, E> gb[LBW];
-      A yb[LBW][E];
+    unsigned lvalid = 0;   // bit t: chunk lb + t has a link; known for chunks lb .. lb + ln - 1
+    int lb = 0, ln = 0;
+    // whether chunk i (< c, asked in increasing order) has a link: waits for its flag
+    auto has_link = [&](int i) -> bool {
+      if (!links || kimg > 32) return false;   // a guard: only a chunk with links asks
+      if (i >= lb + ln) {
+        lb = i;
+        ln = min(32, c - i);
+        int f = 1;
+        if (lane < ln)
+          while ((f = *reinterpret_cast<const volatile int*>(lflags + i + lane)) == 0) __nanosleep(64);
+        __syncwarp();
+        __threadfence();
+        lvalid = __ballot_sync(0xffffffffu, lane < ln && f == 1);
+      }
+      return (lvalid >> (i - lb)) & 1u;
+    };
+    auto load_link = [&](int i, LinkIn<A>& l) {
+      l.w = __ldcg(lrec(i) + 36 + lane);
+      l.v = ldcg_v(lvals(i) + lane);
+      l.u = ldcg_v(lvals(i) + 32 + lane);
+    };
+    // image sums s (lane r: s_r) of one chunk -> of the next, through its link: lane r' sends v = d' s_r', lane r
+    // adds the v of its sources (a list through the words, usually one long) to u_r
+    auto link_step = [&](const LinkIn<A>& l, A s) -> A {
+      const A v = cmul(l.v, s);   // 0 past the predecessor's k: s and the factor are 0 there
+      A acc = l.u;
+      int h = l.w & 63;
+      while (__any_sync(0xffffffffu, h < 32)) {
+        const A t = shfl_v(v, h & 31);
+        const int nx = __shfl_sync(0xffffffffu, (l.w >> 8) & 63, h & 31);
+        if (h < 32) {
+          acc = addv(acc, t);
+          h = nx;
+        }
+      }
+      return lane < (l.w >> 16) ? acc : zero_v<A>();
+    };
+    // without links (not a complex fp32 form, short chunks, or a chunk that has no small image itself: where maps
+    // do not merge no chunk has one, and nobody waits for their flags) the aggregates are applied two at a time,
+    // their loads issued together. This is session 19's loop as it was: through load_agg/load_y it moved the
+    // registers of the forms without links (E <= 2) and their step loops grew by up to 9%.
+    if (!links || kimg > 32) {
+      constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
+      for (int i0 = jb + 1; i0 < c; i0 += LBW) {
+        SortedAgg<A, E> gb[LBW];
+        A yb[LBW][E];
 #pragma unroll
-      for (int u = 0; u < LBW; ++u) {
-        const size_t rb = (static_cast<size_t>(q) * C + i0 + u) * N;
+        for (int u = 0; u < LBW; ++u) {
+          const size_t rb = (static_cast<size_t>(q) * C + i0 + u) * N;
 #pragma unroll
-        for (int i = 0; i < E; ++i) {
-          const int k = lane * E + i;
-          gb[u].key[i] = static_cast<int>(0xffff0000u);
-          gb[u].d[i] = zero_v<A>();
-          if (k < N && i0 + u < c) {
-            gb[u].key[i] = __ldcg(a.agg_pi + rb + k);
-            gb[u].d[i] = ldcg_v(agg_d + rb + k);
+          for (int i = 0; i < E; ++i) {
+            const int k = lane * E + i;
+            gb[u].key[i] = static_cast<int>(0xffff0000u);
+            gb[u].d[i] = zero_v<A>();
+            if (k < N && i0 + u < c) {
+              gb[u].key[i] = __ldcg(a.agg_pi + rb + k);
+              gb[u].d[i] = ldcg_v(agg_d + rb + k);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < E; ++j) {
+            yb[u][j] = zero_v<A>();
+            if (live(j) && i0 + u < c) yb[u][j] = ldcg_v(agg_v + rb + lane + 32 * j);
           }
         }
 #pragma unroll
-        for (int j = 0; j < E; ++j) {
-          yb[u][j] = zero_v<A>();
-          if (live(j) && i0 + u < c) yb[u][j] = ldcg_v(agg_v + rb + lane + 32 * j);
+        for (int u = 0; u < LBW; ++u)
+          if (i0 + u < c) apply_sorted(gb[u], yb[u], st, st, s_st, s_res, lane);
+      }
+    } else {
+      for (int i = jb + 1; i < c;) {
+        if (i + 1 < c && has_link(i + 1)) {
+          // chunk i's image sums of its entering state st (one application), then the links i + 1, i + 2, ...
+          // (each link's loads issued two steps ahead)
+          const int ki = __ldcg(lrec(i));
+          const int pr = lane < ki ? __ldcg(lrec(i) + 4 + lane) : 0;
+          SortedAgg<A, E> g;
+          load_agg(i, g);
+          LinkIn<A> l0, l1, l2;
+          load_link(i + 1, l0);
+          bool v1 = i + 2 < c && has_link(i + 2);
+          if (v1) load_link(i + 2, l1);
+          apply_sorted(g, zy, st, dump, s_st, s_res, lane);
+          A s = lane < ki ? s_res[pr] : zero_v<A>();
+          __syncwarp();
+          int cur = i;
+          while (true) {
+            const bool v2 = v1 && cur + 3 < c && has_link(cur + 3);
+            if (v2) load_link(cur + 3, l2);
+            s = link_step(l0, s);
+            ++cur;
+            if (!v1) break;
+            l0 = l1;
+            l1 = l2;
+            v1 = v2;
+          }
+          // chunk cur's inclusive state: y + its image sums scattered to their positions
+          const int kc = l0.w >> 16;
+          A yv[E];
+          load_y(cur, yv);
+          const int pe = lane < kc ? __ldcg(lrec(cur) + 4 + lane) : 0;
+#pragma unroll
+          for (int j = 0; j < E; ++j) s_res[lane + 32 * j] = zero_v<A>();
+          __syncwarp();
+          if (lane < kc) s_res[pe] = s;
+          __syncwarp();
+#pragma unroll
+          for (int j = 0; j < E; ++j) st[j] = addv(yv[j], s_res[lane + 32 * j]);
+          __syncwarp();
+          i = cur + 1;
+        } else {
+          SortedAgg<A, E> g;
+          A yv[E];
+          load_agg(i, g);
+          load_y(i, yv);
+          apply_sorted(g, yv, st, st, s_st, s_res, lane);
+          ++i;
         }
       }
-#pragma unroll
-      for (int u = 0; u < LBW; ++u)
-        if (i0 + u < c) apply_sorted(gb[u], yb[u], st, st, s_st, s_res, lane);
     }
     // inclusive state at this chunk's end: y + scatter(pi, d * xin); x <- xin
     A inc[E];
@@ -1177,7 +1401,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       x[j] = st[j];
       if (live(j)) incl[cbase + lane + 32 * j] = inc[j];
     }
-    publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
+    publish_flag(flags + static_cast<size_t>(q) * C + c, 3);   // inclusive, and it has an aggregate
     if (prof && lane == 0) prof[4] = clock64();
   }
 

@@ -12,7 +12,7 @@ struct ScanArgs {
   void *out_re, *out_im, *out2_re, *out2_im;
   const void* x0;   // fp32 (float or float2 interleaved), [S, N], may be null
   void* gx0;        // backward: fp32 grad_x0 [S, N], may be null
-  int* counter;     // [1 + 1 + S*C]: ticket counter, error flag, flags
+  int* counter;     // [2 + 2*S*C]: ticket counter, error flag, flags, (warp forward) link flags
   int* agg_pi;      // [S*C*N]: the chunk aggregates' column maps (the warp forward keeps them as sorted
                     // (dest << 16 | source) keys)
   void* agg_d;      // [S*C*N] A
@@ -21,6 +21,7 @@ struct ScanArgs {
   long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
   void* rlog;       // warp forward's repair log: [S*C*rcap] A (factors), then [S*C*rcap] int (links, positions),
                     // then (bf16 outputs) [S*C*rcap] A (zero-state y at each step's destinations)
+  void* link;       // warp forward's look-back links: [S*C] records of link_words(sizeof(A)) 4-byte words
   int S, L, N, T, C;
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
   int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel

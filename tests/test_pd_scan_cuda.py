@@ -30,6 +30,11 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
     elif pmode == "ring32":   # every entry into the first 32, which rotate: the support never drops below 32
         P = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
         P = P.expand(S, L, N).contiguous()
+    elif pmode == "mixed":   # 256-step stretches of random maps and of permutations, in turn
+        P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
+        perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
+        stretch = (torch.arange(L, device="cuda") // 256 % 2 == 1)[None, :, None]
+        P = torch.where(stretch, perm, P)
     else:
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
     mag = 0.3 + 0.65 * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64)
@@ -102,6 +107,29 @@ def test_warp_repair_matches_reference(pmode, form):
         else:
             x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
         assert _rel(x, x_ref) < 1e-6, (chunk, _rel(x, x_ref))
+
+
+@pytest.mark.parametrize("pmode", ["random", "collide", "mixed"])
+@pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
+@pytest.mark.parametrize("N", [32, 100, 128, 200])
+def test_warp_lookback_links_match_reference(pmode, form, N):
+    """Many chunks per sequence (16 to 128 steps): in the complex forms at N = 65-128 (N=100, 128), chunks whose
+    aggregate has a small image publish links and a look-back crosses runs of them in image sums (random,
+    collide), breaking the run where a chunk has none (mixed: stretches of permutations); float32 and the other
+    N apply every aggregate (no links). The outputs match the float64 loop to fp32 accuracy."""
+    K = _cuda()
+    P, D, b, x0, _ = _inputs(3, 4096, N, form != "f32", pmode=pmode, seed=N + len(pmode))
+    dt = torch.float32 if form == "f32" else torch.complex64
+    Dk, bk, x0k = D.to(dt), b.to(dt), x0.to(dt)
+    x_ref = _naive(P, Dk.to(D.dtype), bk.to(b.dtype), x0k.to(x0.dtype))
+    for chunk in (16, 32, 128):
+        if form == "split_f32":
+            xr, xi = K.pd_scan_fwd_cuda_split(P, Dk.real.contiguous(), Dk.imag.contiguous(), bk.real.contiguous(),
+                                              bk.imag.contiguous(), x0k, chunk=chunk, algo="warp")
+            x = torch.complex(xr, xi)
+        else:
+            x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
+        assert _rel(x, x_ref) < 1e-5, (chunk, _rel(x, x_ref))
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])

@@ -235,7 +235,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
-    counter = torch.zeros(2 + S * C, dtype=torch.int32, device=device)
+    counter = torch.zeros(2 + 2 * S * C, dtype=torch.int32, device=device)   # tickets, error, flags, link flags
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
@@ -245,8 +245,12 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     rcap = _repair_capacity(code, bwd, bf16, T, N)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
+    # the warp forward's look-back links (kernels/pd_scan.cu, link_words): 68 words + 64 values per chunk
+    link = (torch.empty(S * C * (68 + 64 * comps), dtype=torch.int32, device=device)
+            if not bwd and code == _ALGOS["warp"] else None)
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
-                      agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog)]
+                      agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
+                      _ptr(link)]
     with torch.cuda.device(device):
         ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
