@@ -69,6 +69,23 @@ def _rel(a, ref):
     return ((a - ref).norm() / ref.norm()).item()
 
 
+def _check_warp_forward(form, P, D, b, x0, chunks, tol):
+    """The warp forward in one fp32 calling form (f32, c64, split_f32) at each chunk length against the float64
+    loop on the inputs as the kernel sees them (rounded to fp32)."""
+    K = _cuda()
+    dt = torch.float32 if form == "f32" else torch.complex64
+    Dk, bk, x0k = D.to(dt), b.to(dt), x0.to(dt)
+    x_ref = _naive(P, Dk.to(D.dtype), bk.to(b.dtype), x0k.to(x0.dtype))
+    for chunk in chunks:
+        if form == "split_f32":
+            xr, xi = K.pd_scan_fwd_cuda_split(P, Dk.real.contiguous(), Dk.imag.contiguous(), bk.real.contiguous(),
+                                              bk.imag.contiguous(), x0k, chunk=chunk, algo="warp")
+            x = torch.complex(xr, xi)
+        else:
+            x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
+        assert _rel(x, x_ref) < tol, (form, chunk, _rel(x, x_ref))
+
+
 @pytest.mark.parametrize("L,N,chunk", [(1, 16, None), (127, 64, None), (129, 128, None), (300, 256, 4),
                                        (513, 32, 1), (200, 600, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
@@ -94,19 +111,8 @@ def test_warp_repair_matches_reference(pmode, form):
     """Chunks of >= 24 steps: the warp forward repairs collapsed chunks from its log (random, collide) and replays
     the others (perm; ring32 from where its log fills up); either way the outputs match the float64 loop to fp32
     accuracy."""
-    K = _cuda()
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode=pmode, seed=11)
-    dt = torch.float32 if form == "f32" else torch.complex64
-    Dk, bk, x0k = D.to(dt), b.to(dt), x0.to(dt)
-    x_ref = _naive(P, Dk.to(D.dtype), bk.to(b.dtype), x0k.to(x0.dtype))   # the inputs as the kernel sees them
-    for chunk in (None, 24, 64, 256):
-        if form == "split_f32":
-            xr, xi = K.pd_scan_fwd_cuda_split(P, Dk.real.contiguous(), Dk.imag.contiguous(), bk.real.contiguous(),
-                                              bk.imag.contiguous(), x0k, chunk=chunk, algo="warp")
-            x = torch.complex(xr, xi)
-        else:
-            x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
-        assert _rel(x, x_ref) < 1e-6, (chunk, _rel(x, x_ref))
+    _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "mixed"])
@@ -117,19 +123,8 @@ def test_warp_lookback_links_match_reference(pmode, form, N):
     aggregate has a small image publish links and a look-back crosses runs of them in image sums (random,
     collide), breaking the run where a chunk has none (mixed: stretches of permutations); float32 and the other
     N apply every aggregate (no links). The outputs match the float64 loop to fp32 accuracy."""
-    K = _cuda()
     P, D, b, x0, _ = _inputs(3, 4096, N, form != "f32", pmode=pmode, seed=N + len(pmode))
-    dt = torch.float32 if form == "f32" else torch.complex64
-    Dk, bk, x0k = D.to(dt), b.to(dt), x0.to(dt)
-    x_ref = _naive(P, Dk.to(D.dtype), bk.to(b.dtype), x0k.to(x0.dtype))
-    for chunk in (16, 32, 128):
-        if form == "split_f32":
-            xr, xi = K.pd_scan_fwd_cuda_split(P, Dk.real.contiguous(), Dk.imag.contiguous(), bk.real.contiguous(),
-                                              bk.imag.contiguous(), x0k, chunk=chunk, algo="warp")
-            x = torch.complex(xr, xi)
-        else:
-            x = K.pd_scan_fwd_cuda(P, Dk, bk, x0k, chunk=chunk, algo="warp")
-        assert _rel(x, x_ref) < 1e-5, (chunk, _rel(x, x_ref))
+    _check_warp_forward(form, P, D, b, x0, (16, 32, 128), 1e-5)
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])
