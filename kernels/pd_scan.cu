@@ -17,7 +17,8 @@
 // O(N) shared memory, inputs streamed from device memory), runs the same three phases; it is the faster one for
 // N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md). Its replay re-reads the chunk, except
 // where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the entering
-// state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log.
+// state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log. Its
+// look-back crosses runs of collapsed chunks through links, a few numbers a chunk (complex fp32, see link_words).
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).

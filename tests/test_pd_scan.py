@@ -156,6 +156,19 @@ def test_cuda_repair_bounds_match_the_kernel_source():
     assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
 
 
+def test_cuda_link_record_size_matches_the_kernel_source():
+    """cuda.py sizes the warp forward's link records as the kernel's link_words does (read from kernels/pd_scan.cu,
+    no GPU): a smaller buffer would let chunks write over each other's records."""
+    import re
+    from llm_surgery.ops.pd_scan import cuda
+    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    m = re.search(r"constexpr int link_words\(int asize\) \{ return (\d+) \+ (\d+) \* asize / 4; \}", src)
+    assert m, "link_words not found in kernels/pd_scan.cu"
+    head, per = int(m.group(1)), int(m.group(2))
+    for comps in (1, 2):   # real fp32 (4-byte values), complex (8-byte values)
+        assert cuda._link_words(comps) == head + per * (4 * comps) // 4
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

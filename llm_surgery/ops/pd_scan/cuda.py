@@ -226,6 +226,13 @@ def _repair_capacity(code, bwd, bf16, T, N):
     return T * N // 8
 
 
+def _link_words(comps):
+    """4-byte words of one chunk's record of the warp forward's look-back links (kernels/pd_scan.cu, link_words:
+    k, 32 positions, 32 link words, then 32 factors and 32 sums of comps floats each; a test compares). Every warp
+    forward gets the buffer; the kernel writes it only where it compiles the links in."""
+    return 68 + 64 * comps
+
+
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
@@ -245,8 +252,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     rcap = _repair_capacity(code, bwd, bf16, T, N)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
-    # the warp forward's look-back links (kernels/pd_scan.cu, link_words): 68 words + 64 values per chunk
-    link = (torch.empty(S * C * (68 + 64 * comps), dtype=torch.int32, device=device)
+    link = (torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device)
             if not bwd and code == _ALGOS["warp"] else None)
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
