@@ -872,7 +872,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* incl = static_cast<A*>(a.incl);
   // the look-back's links (see link_words): the complex fp32 forms at 65-128 entries (E = 4) only, where they
   // were measured faster. Compiled into the others they moved the step loop's register allocation: phase 1 up to
-  // 22% slower with bf16, real float32 up to 3% slower at L <= 2048 and no faster at L=16384, and the complex
+  // 22% slower with bf16, real float32 up to 6% slower at L <= 2048 and no faster at L=16384, and the complex
   // step loops at E = 1, 2, 8 grew by 1-12% in SASS, not timed (docs/bench/kernels.md, session 20)
   constexpr bool kLinks = sizeof(In) == 4 && K != REAL && E == 4;
   int* lflags = flags + static_cast<size_t>(a.S) * C + static_cast<size_t>(q) * C;   // this sequence's link flags
