@@ -318,6 +318,13 @@ __device__ __forceinline__ int ready(const int* flag) {
   return (f & 2) != 0;
 }
 
+// Thread-level wait until a flag is set (non-zero); returns it. The caller fences before reading what it guards.
+__device__ __forceinline__ int wait_flag(const int* flag) {
+  int f;
+  while ((f = *reinterpret_cast<const volatile int*>(flag)) == 0) __nanosleep(64);
+  return f;
+}
+
 __device__ __forceinline__ void publish_flag(int* flag, int v) {
   __threadfence();
   __syncthreads();
@@ -1226,9 +1233,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       int lst = 2;
       if (kimg <= 32) {
         int fp = 0;
-        if (lane == 0)
-          while ((fp = *reinterpret_cast<const volatile int*>(flags + static_cast<size_t>(q) * C + c - 1)) == 0)
-            __nanosleep(64);
+        if (lane == 0) fp = wait_flag(flags + static_cast<size_t>(q) * C + c - 1);
         fp = __shfl_sync(0xffffffffu, fp, 0);
         __threadfence();
         const int kp = (fp & 1) ? __ldcg(lrec(c - 1)) : 0;   // chunk c - 1's k (0: no aggregate or too many)
@@ -1282,8 +1287,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         lb = i;
         ln = min(32, c - i);
         int f = 1;
-        if (lane < ln)
-          while ((f = *reinterpret_cast<const volatile int*>(lflags + i + lane)) == 0) __nanosleep(64);
+        if (lane < ln) f = wait_flag(lflags + i + lane);
         __syncwarp();
         __threadfence();
         lvalid = __ballot_sync(0xffffffffu, lane < ln && f == 1);
