@@ -242,7 +242,9 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
-    counter = torch.zeros(2 + 2 * S * C, dtype=torch.int32, device=device)   # tickets, error, flags, link flags
+    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links
+    # tickets, error, flags, and (warp forward) link flags
+    counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
@@ -252,8 +254,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     rcap = _repair_capacity(code, bwd, bf16, T, N)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
-    link = (torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device)
-            if not bwd and code == _ALGOS["warp"] else None)
+    link = torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
                       _ptr(link)]
