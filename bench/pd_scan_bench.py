@@ -325,14 +325,19 @@ def profiled_launch(fn):
 
 
 def chunk_phases(pr):
-    """Per chunk, from its probes (start, staged, aggregate out, look-back found, entering state, end): cycles of
-    its life and of each phase. `slow` marks the chunks that ran phase 1 and the look-back; the others started
-    from a published state and count 0 there."""
+    """Per chunk, from its probes (start, staged, aggregate out, look-back found, entering state, end, look-back
+    distance, SM, repair start): cycles of its life and of each phase. `slow` marks the chunks that ran phase 1 and
+    the look-back; the others started from a published state and count 0 there. `replay` ends where the repair
+    (warp forward, logged chunks) starts; `repair` is 0 for chunks without one."""
     slow = pr[:, 6] >= 0
     zero = torch.zeros_like(pr[:, 0])
-    return dict(slow=slow, load=pr[:, 1] - pr[:, 0], phase1=torch.where(slow, pr[:, 2] - pr[:, 1], zero),
+    logged = pr[:, 8] >= 0
+    replay_end = torch.where(logged, pr[:, 8], pr[:, 5])
+    return dict(slow=slow, logged=logged, load=pr[:, 1] - pr[:, 0],
+                phase1=torch.where(slow, pr[:, 2] - pr[:, 1], zero),
                 wait=torch.where(slow, pr[:, 3] - pr[:, 2], zero), apply=torch.where(slow, pr[:, 4] - pr[:, 3], zero),
-                replay=pr[:, 5] - torch.where(slow, pr[:, 4], pr[:, 1]), life=pr[:, 5] - pr[:, 0])
+                replay=replay_end - torch.where(slow, pr[:, 4], pr[:, 1]),
+                repair=torch.where(logged, pr[:, 5] - pr[:, 8], zero), life=pr[:, 5] - pr[:, 0])
 
 
 def time_kind(kind, S, L, N, chunk=None, which="fwd", algo="auto"):
@@ -484,8 +489,9 @@ def main():
                     say(f"| {kind} | {L} | {which} | " + " | ".join(cells) + " |")
     if "prof" not in skip:
         say("\n## forward kernel anatomy (clock64 cycles per block, means; B=32, N=128)")
-        say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | lifetime | look-back dist mean/max | resident/SM |")
-        say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        say("| kernel | kind | L | T | blocks | fast % | load | phase 1 | wait | apply+incl | replay | repair (logged %) | "
+            "lifetime | look-back dist mean/max | resident/SM |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for algo, kind, L, T in [("warp", k, L, None) for k in ("split_f32", "c64", "split_bf16")
                                  for L in (2048, 16384)] + \
                                 [("warp", "split_bf16", 128, None)] + \
@@ -505,7 +511,8 @@ def main():
                     alive.append(((blk[:, 0] <= t0) & (blk[:, 5] > t0)).sum().item())
             say(f"| {algo} | {kind} | {L} | {TT} | {pr.shape[0]} | {100 * (~slow).float().mean().item():.0f} | "
                 f"{f(ph['load'])} | {f(ph['phase1'][slow])} | {f(ph['wait'][slow])} | {f(ph['apply'][slow])} | "
-                f"{f(ph['replay'])} | {f(ph['life'])} | "
+                f"{f(ph['replay'])} | {f(ph['repair'][ph['logged']])} ({100 * ph['logged'].float().mean().item():.0f}) | "
+                f"{f(ph['life'])} | "
                 f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
             del s
     if "b192" not in skip:

@@ -38,7 +38,10 @@ def main():
         print(f"  phase 1 {stats(ph['phase1'][slow])}")
         print(f"  wait {stats(wait[slow])}")
         print(f"  apply {stats(apply[slow])}")
-        print(f"  replay+repair {stats(ph['replay'])}")
+        print(f"  replay {stats(ph['replay'])}")
+        if ph["logged"].any():
+            print(f"  repair (the {100 * ph['logged'].float().mean():.0f}% of chunks logged) "
+                  f"{stats(ph['repair'][ph['logged']])}")
         print(f"  look-back distance {stats(pr[slow, 6])}")
         print(f"  start offset within an SM {stats(torch.cat(offs))}")
         print(f"  last chunk on each SM: lifetime {stats(life[last])}; apply {stats(apply[last])}; "

@@ -350,10 +350,11 @@ __device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N, int* err
 // The chunk a block works on. Tickets are taken in launch order (atomicAdd on a.counter), chunk-major, so every
 // chunk's neighbour in scan order started earlier: a look-back never waits on a block that is not resident.
 // The backward runs the chunks last first.
+constexpr int PROBES = 10;   // clock64 probes per chunk (llm_surgery/ops/pd_scan/cuda.py: _PROBES; a test compares)
 struct Chunk {
   int c, q, s0, Tc;    // chunk index, sequence, first step, steps in this chunk (the last one may be short)
   size_t row0;         // element offset of the chunk's first row in [S, L, N] inputs
-  long long* prof;     // this chunk's 8 clock64 probes, or null
+  long long* prof;     // this chunk's PROBES clock64 probes, or null
 };
 __device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_first) {
   Chunk ch;
@@ -362,7 +363,7 @@ __device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_f
   ch.s0 = ch.c * a.T;
   ch.Tc = min(a.T, a.L - ch.s0);
   ch.row0 = (static_cast<size_t>(ch.q) * a.L + ch.s0) * a.N;
-  ch.prof = a.prof ? a.prof + 8 * static_cast<size_t>(tk) : nullptr;
+  ch.prof = a.prof ? a.prof + PROBES * static_cast<size_t>(tk) : nullptr;
   return ch;
 }
 
@@ -380,10 +381,12 @@ __device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first,
   return ch;
 }
 
-// Forward probes 1, 6, 7 once the chunk is staged: the time, "no look-back yet", and the SM it runs on.
+// Forward probes 1, 6, 7, 8 once the chunk is staged: the time, "no look-back yet", the SM it runs on, and "no
+// repair" (probe 8: the warp forward's repair start)
 __device__ __forceinline__ void prof_staged(long long* prof) {
   prof[1] = clock64();
   prof[6] = -1;
+  prof[8] = -1;
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   prof[7] = smid;
@@ -1420,7 +1423,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
   });
-  if (logged) repair(x);
+  if (logged) {
+    if (prof && lane == 0) prof[8] = clock64();
+    repair(x);
+  }
   if (fast) {
 #pragma unroll
     for (int j = 0; j < E; ++j)

@@ -18,7 +18,7 @@ struct ScanArgs {
   void* agg_d;      // [S*C*N] A
   void* agg_v;      // [S*C*N] A  (forward: zero-state end y; backward: zero-carry exit v)
   void* incl;       // [S*C*N] A  inclusive state
-  long long* prof;  // optional [S*C, 8] clock64 probes of the forward (null: off)
+  long long* prof;  // optional [S*C, PROBES] clock64 probes of the forward (null: off)
   void* rlog;       // warp forward's repair log: [S*C*rcap] A (factors), then [S*C*rcap] int (links, positions),
                     // then (bf16 outputs) [S*C*rcap] A (zero-state y at each step's destinations)
   void* link;       // warp forward's look-back links: [S*C] records of link_words(sizeof(A)) 4-byte words

@@ -169,6 +169,19 @@ def test_cuda_link_record_size_matches_the_kernel_source():
         assert cuda._link_words(comps) == head + per * (4 * comps) // 4
 
 
+def test_cuda_probe_count_matches_the_kernel_source():
+    """cuda.py allocates the forward's clock64 probes as the kernel's PROBES strides them (no GPU): fewer columns
+    would let a chunk's probes land in the next chunk's row, or past the buffer."""
+    import re
+    from llm_surgery.ops.pd_scan import cuda
+    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    m = re.search(r"constexpr int PROBES = (\d+);", src)
+    assert m, "PROBES not found in kernels/pd_scan.cu"
+    assert cuda._PROBES == int(m.group(1))
+    used = {int(i) for i in re.findall(r"prof\[(\d+)\] =", src)}
+    assert used and max(used) < cuda._PROBES
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

@@ -226,6 +226,9 @@ def _repair_capacity(code, bwd, bf16, T, N):
     return T * N // 8
 
 
+_PROBES = 10   # clock64 probes per chunk of the forward (kernels/pd_scan.cu: PROBES; a test compares)
+
+
 def _link_words(comps):
     """4-byte words of one chunk's record of the warp forward's look-back links (kernels/pd_scan.cu, link_words:
     k, 32 positions, 32 link words, then 32 factors and 32 sums of comps floats each; a test compares). Every warp
@@ -249,7 +252,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
-        prof = torch.zeros(S * C, 8, dtype=torch.int64, device=device)
+        prof = torch.zeros(S * C, _PROBES, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
     rcap = _repair_capacity(code, bwd, bf16, T, N)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
