@@ -19,6 +19,8 @@
 // where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the entering
 // state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log. Its
 // look-back crosses runs of collapsed chunks through links, a few numbers a chunk (complex fp32, see link_words).
+// Its chunks come from a table (ScanArgs::starts): in one wave cuda.py makes them grow along the sequence, so that
+// the early chunks look back and replay while the later ones still stream.
 //
 // Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
 // complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
@@ -356,12 +358,13 @@ struct Chunk {
   size_t row0;         // element offset of the chunk's first row in [S, L, N] inputs
   long long* prof;     // this chunk's PROBES clock64 probes, or null
 };
-__device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_first) {
+// tabled: the chunks' first steps come from a.starts (the warp forward), else chunks of a.T steps
+__device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_first, bool tabled) {
   Chunk ch;
   ch.c = last_first ? a.C - 1 - tk / a.S : tk / a.S;
   ch.q = tk % a.S;
-  ch.s0 = ch.c * a.T;
-  ch.Tc = min(a.T, a.L - ch.s0);
+  ch.s0 = tabled ? __ldg(a.starts + ch.c) : ch.c * a.T;
+  ch.Tc = tabled ? __ldg(a.starts + ch.c + 1) - ch.s0 : min(a.T, a.L - ch.s0);
   ch.row0 = (static_cast<size_t>(ch.q) * a.L + ch.s0) * a.N;
   ch.prof = a.prof ? a.prof + PROBES * static_cast<size_t>(tk) : nullptr;
   return ch;
@@ -369,14 +372,15 @@ __device__ __forceinline__ Chunk chunk_of(const ScanArgs& a, int tk, bool last_f
 
 // A block's start: thread 0 takes its ticket and initialises its staging mbarrier (null: none); after the
 // barrier every thread has the chunk, and probe 0 (the start) is written when profiling.
-__device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first, uint64_t* bar = nullptr) {
+__device__ __forceinline__ Chunk claim_chunk(const ScanArgs& a, bool last_first, uint64_t* bar = nullptr,
+                                             bool tabled = false) {
   __shared__ int s_ticket;
   if (threadIdx.x == 0) {
     s_ticket = atomicAdd(a.counter, 1);
     if (bar) mbar_init(bar);
   }
   __syncthreads();
-  const Chunk ch = chunk_of(a, s_ticket, last_first);
+  const Chunk ch = chunk_of(a, s_ticket, last_first, tabled);
   if (ch.prof && threadIdx.x == 0) ch.prof[0] = clock64();
   return ch;
 }
@@ -590,7 +594,7 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
 // The repair: phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
 // stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps)
 constexpr int REPAIR_FROM = 16;
-constexpr int REPAIR_MAX_T = 256;
+constexpr int REPAIR_MAX_T = 384;
 __host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   // flags [M], state [M], support
   return M * 4 + M * asize + 32 * (4 + asize + 4) + (REPAIR_MAX_T + 1) * 4;   // [32] x3, step offsets
 }
@@ -749,7 +753,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   int* s_off = s_sp0 + 32;                     // [REPAIR_MAX_T + 1] log offset of each repaired step
   for (int i = lane; i < 2 * M; i += 32) head[i] = NUL;
   if (lane == 0) put_slot(reinterpret_cast<Slot*>(smem + NUL), zero_v<A>(), NUL);
-  const Chunk ch = claim_chunk(a, false);   // its barrier also publishes the heads
+  const Chunk ch = claim_chunk(a, false, nullptr, true);   // its barrier also publishes the heads
   const int c = ch.c, q = ch.q, Tc = ch.Tc;
   const size_t row0 = ch.row0;
   long long* prof = ch.prof;

@@ -22,6 +22,8 @@ struct ScanArgs {
   void* rlog;       // warp forward's repair log: [S*C*rcap] A (factors), then [S*C*rcap] int (links, positions),
                     // then (bf16 outputs) [S*C*rcap] A (zero-state y at each step's destinations)
   void* link;       // warp forward's look-back links: [S*C] records of link_words(sizeof(A)) 4-byte words
+  const int* starts;   // warp forward: [C+1] first step of each chunk (T: the longest); the others: null, chunks
+                       // of T steps
   int S, L, N, T, C;
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
   int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel

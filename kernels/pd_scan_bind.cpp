@@ -10,11 +10,11 @@
 #include "pd_scan.cuh"
 
 // p: P, D_re, D_im, b/g_re, b/g_im, x_re, x_im, out_re, out_im, out2_re, out2_im, x0, gx0,
-//    counter, agg_pi, agg_d, agg_v, incl, prof, rlog, link   (0 = null);   dims: S, L, N, T, C, algo, rcap
+//    counter, agg_pi, agg_d, agg_v, incl, prof, rlog, link, starts   (0 = null);   dims: S, L, N, T, C, algo, rcap
 static void launch(int kind, int bf16, int bwd, const std::vector<uint64_t>& p, const std::vector<int>& dims,
                    uint64_t stream) {
-  if (p.size() != 21 || dims.size() != 7)
-    throw std::invalid_argument("pd_scan launch: expected 21 pointers and 7 dims");
+  if (p.size() != 22 || dims.size() != 7)
+    throw std::invalid_argument("pd_scan launch: expected 22 pointers and 7 dims");
   auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p[i])); };
   pdk::ScanArgs a;
   a.P = static_cast<const pdk::Idx*>(ptr(0));
@@ -26,6 +26,7 @@ static void launch(int kind, int bf16, int bwd, const std::vector<uint64_t>& p, 
   a.prof = static_cast<long long*>(ptr(18));
   a.rlog = ptr(19);
   a.link = ptr(20);
+  a.starts = static_cast<const int*>(ptr(21));
   a.S = dims[0]; a.L = dims[1]; a.N = dims[2]; a.T = dims[3]; a.C = dims[4]; a.algo = dims[5];
   a.rcap = dims[6];
   const char* err = pd_scan_launch(kind, bf16, bwd, a, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));

@@ -182,6 +182,27 @@ def test_cuda_probe_count_matches_the_kernel_source():
     assert used and max(used) < cuda._PROBES
 
 
+def test_cuda_chunk_tables_without_a_gpu():
+    """The warp forward's chunk tables (pure Python): equal chunks of T steps with a shorter last one, or a ramp
+    whose chunks grow along the sequence; either way they tile [0, L) with no empty chunk, and the default ramp's
+    longest chunk at the one-wave shapes stays within the repair's REPAIR_MAX_T."""
+    from llm_surgery.ops.pd_scan import cuda
+    flat = cuda._chunk_starts_on(1000, 4, 256, 0.0, "cpu")
+    assert flat.tolist() == [0, 256, 512, 768, 1000]
+    for L, C, T in [(16384, 64, 256), (16383, 64, 256), (8192, 64, 128), (2053, 33, 64), (100, 4, 32)]:
+        for r in (cuda._RAMP, 0.5):
+            s = cuda._chunk_starts_on(L, C, T, r, "cpu")
+            n = s[1:] - s[:-1]
+            assert s[0] == 0 and s[-1] == L and len(s) == C + 1
+            assert (n > 0).all() and (n[1:] >= n[:-1] - 1).all(), (L, C, r)   # growing (up to rounding)
+            assert n[-1] > n[0]
+        starts, longest = cuda._chunk_starts(L, C, T, cuda._RAMP, "cpu")
+        assert torch.equal(starts, cuda._chunk_starts_on(L, C, T, cuda._RAMP, "cpu"))
+        assert longest == int((starts[1:] - starts[:-1]).max())
+        if T == 256:
+            assert longest <= cuda._REPAIR_MAX_T
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

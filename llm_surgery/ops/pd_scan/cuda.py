@@ -211,7 +211,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
-_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 256   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T (a test compares)
+_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 384   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T (a test compares)
 _REPAIR_MIN_T_BF16 = 128   # bf16 replays cost half as much: at 64-step chunks the log's work ate the saving
 
 
@@ -236,6 +236,38 @@ def _link_words(comps):
     return 68 + 64 * comps
 
 
+_RAMP = 0.1   # the warp forward's chunk-length ramp in one wave (docs/bench/kernels.md, session 21)
+
+
+def _chunk_starts_on(L, C, T, r, device):
+    """First step of each of C chunks, and L. r = 0: chunks of T steps. r > 0: lengths growing linearly along the
+    sequence, chunk c's share of L proportional to 1 + r (2 u - 1) at u = (c + 1/2) / C. The same float64 ops on
+    any device give the same table."""
+    if not r:
+        return torch.clamp(torch.arange(C + 1, dtype=torch.int32, device=device) * T, max=L)
+    u = torch.arange(C + 1, dtype=torch.float64, device=device) / C
+    return torch.round(L * (u + r * (u * u - u))).to(torch.int32)
+
+
+_CHUNK_TABLES: dict = {}
+
+
+def _chunk_starts(L, C, T, r, device):
+    """The warp forward's chunk table on `device` and its longest chunk. Kept per shape: a copy per call would
+    cost a host round trip at every launch; inside a CUDA-graph capture (no host copies) it is built there."""
+    key = (L, C, T, r, device)
+    hit = _CHUNK_TABLES.get(key)
+    if hit is None:
+        host = _chunk_starts_on(L, C, T, r, "cpu")
+        longest = int((host[1:] - host[:-1]).max())
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return _chunk_starts_on(L, C, T, r, device), longest
+        if len(_CHUNK_TABLES) >= 256:
+            _CHUNK_TABLES.clear()
+        hit = _CHUNK_TABLES[key] = (host.to(device), longest)
+    return hit
+
+
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, S, L, N, bwd, bool(bf16))
@@ -244,6 +276,14 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
+    starts = None
+    if not bwd and code == _ALGOS["warp"]:   # the warp forward reads its chunks' first steps from a table
+        # In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
+        # furthest. Chunks growing along the sequence let the early ones look back and replay while the later
+        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.648 -> 0.612 ms; docs/bench/kernels.md).
+        one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        ramp = _state.get("ramp", _RAMP) if not chunk and T >= 32 and C > 1 and one_wave else 0.0
+        starts, T = _chunk_starts(L, C, T, ramp, device)
     comps = 1 if kind == _REAL else 2
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links
     # tickets, error, flags, and (warp forward) link flags
@@ -260,7 +300,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     link = torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
-                      _ptr(link)]
+                      _ptr(link), _ptr(starts)]
     with torch.cuda.device(device):
         ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
