@@ -148,6 +148,37 @@ def test_warp_ramped_chunks_match_reference(form, ramp):
     assert used, "the launch did not use a ramped chunk table"
 
 
+def test_warp_ramped_chunks_in_a_cuda_graph():
+    """A ramped launch captured in a CUDA graph before any eager call of its shape: the chunk table is built on
+    the device inside the capture (no host copy there), equals the host's table, and replays match the float64
+    loop, also after new inputs are copied into the captured buffers."""
+    K = _cuda()
+    L = 2063   # a shape no other test launches, so that its table is not cached yet
+    P, D, b, x0, _ = _inputs(32, L, 128, True, seed=9)
+    Pk, Dk, bk, x0k = P.to(torch.int32), D.to(torch.complex64), b.to(torch.complex64), x0.to(torch.complex64)
+    assert not [key for key in K._CHUNK_TABLES if key[0] == L]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):   # the first launch builds the kernel, outside the capture
+        K.pd_scan_fwd_cuda(*(t[:, :100].contiguous() for t in (Pk, Dk, bk)), x0k, algo="warp")
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x = K.pd_scan_fwd_cuda(Pk, Dk, bk, x0k, algo="warp")
+    assert not [key for key in K._CHUNK_TABLES if key[0] == L], "the capture cached a table"
+    for seed in (9, 10):
+        P2, D2, b2, x02, _ = _inputs(32, L, 128, True, seed=seed)
+        Pk.copy_(P2.to(torch.int32)); Dk.copy_(D2.to(torch.complex64)); bk.copy_(b2.to(torch.complex64))
+        x0k.copy_(x02.to(torch.complex64))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = _naive(P2, Dk.to(D2.dtype), bk.to(b2.dtype), x0k.to(x02.dtype))
+        assert _rel(x, ref) < 1e-5, seed
+    C = -(-L // 64)
+    starts, _ = K._chunk_starts(L, C, 64, K._RAMP, Pk.device)   # now eager: cached from the host
+    assert torch.equal(starts.cpu(), K._chunk_starts_on(L, C, 64, K._RAMP, Pk.device).cpu())
+
+
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])
 @pytest.mark.parametrize("form", ["bf16", "split_bf16"])
 def test_warp_repair_bf16_rounds_once(pmode, form):

@@ -241,8 +241,8 @@ _RAMP = 0.1   # the warp forward's chunk-length ramp in one wave (docs/bench/ker
 
 def _chunk_starts_on(L, C, T, r, device):
     """First step of each of C chunks, and L. r = 0: chunks of T steps. r > 0: lengths growing linearly along the
-    sequence, chunk c's share of L proportional to 1 + r (2 u - 1) at u = (c + 1/2) / C. The same float64 ops on
-    any device give the same table."""
+    sequence, chunk c's share of L proportional to 1 + r (2 u - 1) at u = (c + 1/2) / C (float64 elementwise ops,
+    each correctly rounded on any device, so a table built on the GPU equals the host's)."""
     if not r:
         return torch.clamp(torch.arange(C + 1, dtype=torch.int32, device=device) * T, max=L)
     u = torch.arange(C + 1, dtype=torch.float64, device=device) / C
@@ -276,16 +276,16 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     C = -(-L // T)
+    comps = 1 if kind == _REAL else 2
+    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     starts = None
-    if not bwd and code == _ALGOS["warp"]:   # the warp forward reads its chunks' first steps from a table
+    if warp_fwd:
         # In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
         # furthest. Chunks growing along the sequence let the early ones look back and replay while the later
-        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.648 -> 0.612 ms; docs/bench/kernels.md).
+        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md).
         one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
         ramp = _state.get("ramp", _RAMP) if not chunk and T >= 32 and C > 1 and one_wave else 0.0
-        starts, T = _chunk_starts(L, C, T, ramp, device)
-    comps = 1 if kind == _REAL else 2
-    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links
+        starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, error, flags, and (warp forward) link flags
     counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
