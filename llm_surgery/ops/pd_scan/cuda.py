@@ -282,9 +282,11 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if warp_fwd:
         # In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
         # furthest. Chunks growing along the sequence let the early ones look back and replay while the later
-        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md).
+        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only
+        # where chunks are logged: a chunk replayed in full would replay its longer steps too (bf16 L=2048: +3%).
         one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
-        ramp = _state.get("ramp", _RAMP) if not chunk and T >= 32 and C > 1 and one_wave else 0.0
+        logged = _repair_capacity(code, bwd, bf16, T, N) > 0
+        ramp = _state.get("ramp", _RAMP) if not chunk and T >= 32 and C > 1 and one_wave and logged else 0.0
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, error, flags, and (warp forward) link flags
     counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
