@@ -203,6 +203,21 @@ def test_cuda_chunk_tables_without_a_gpu():
             assert longest <= cuda._REPAIR_MAX_T
 
 
+def test_cuda_chunk_ramp_policy_without_a_gpu():
+    """Which warp-forward launches get growing chunks (pure Python): default chunks of >= 32 steps that fit one
+    wave and have a repair log; not a caller's chunk, two waves, short chunks, or bf16 chunks too short to log."""
+    from llm_surgery.ops.pd_scan import cuda
+    r, slots = cuda._RAMP, 132 * 16
+    assert cuda._chunk_ramp(False, None, 32, 64, 256, 128, slots) == r     # B=32, L=16384
+    assert cuda._chunk_ramp(True, None, 32, 64, 256, 128, slots) == r      # bf16, logged at 256 steps
+    assert cuda._chunk_ramp(False, None, 32, 32, 64, 128, slots) == r      # fp32 at 64 steps: logged
+    assert cuda._chunk_ramp(True, None, 32, 32, 64, 128, slots) == 0.0     # bf16 at 64 steps: replayed in full
+    assert cuda._chunk_ramp(False, 256, 32, 64, 256, 128, slots) == 0.0    # the caller's chunk
+    assert cuda._chunk_ramp(False, None, 64, 64, 256, 128, slots) == 0.0   # two waves
+    assert cuda._chunk_ramp(False, None, 32, 32, 16, 128, slots) == 0.0    # short chunks
+    assert cuda._chunk_ramp(False, None, 1, 1, 256, 128, slots) == 0.0     # one chunk
+
+
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
     from llm_surgery.ops.pd_scan import cuda

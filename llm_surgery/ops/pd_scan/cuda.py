@@ -249,6 +249,19 @@ def _chunk_starts_on(L, C, T, r, device):
     return torch.round(L * (u + r * (u * u - u))).to(torch.int32)
 
 
+def _chunk_ramp(bf16, chunk, S, C, T, N, slots):
+    """The warp forward's ramp for a launch of S sequences in C chunks of (default) T steps on `slots` warp slots.
+    In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
+    furthest; chunks growing along the sequence let the early ones look back and replay while the later ones still
+    stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only for default chunks of
+    >= 32 steps in one wave, and only where chunks are logged: a chunk replayed in full would replay its longer
+    steps too (bf16 chunks of 64 steps, L=2048: 3% slower)."""
+    logged = _repair_capacity(_ALGOS["warp"], False, bf16, T, N) > 0
+    if chunk or T < 32 or C < 2 or S * C > slots or not logged:
+        return 0.0
+    return _state.get("ramp", _RAMP)
+
+
 _CHUNK_TABLES: dict = {}
 
 
@@ -280,13 +293,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     starts = None
     if warp_fwd:
-        # In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
-        # furthest. Chunks growing along the sequence let the early ones look back and replay while the later
-        # ones still stream (H100, r = 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only
-        # where chunks are logged: a chunk replayed in full would replay its longer steps too (bf16 L=2048: +3%).
-        one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
-        logged = _repair_capacity(code, bwd, bf16, T, N) > 0
-        ramp = _state.get("ramp", _RAMP) if not chunk and T >= 32 and C > 1 and one_wave and logged else 0.0
+        slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        ramp = _chunk_ramp(bool(bf16), chunk, S, C, T, N, slots)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, error, flags, and (warp forward) link flags
     counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
