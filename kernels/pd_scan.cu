@@ -137,6 +137,21 @@ __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
   }
   return v;
 }
+// acc plus the v of every lane on a list through the lanes: lane l's list starts at lane `head` and goes on at each
+// lane's `next` (32: the end); the lanes walk their lists side by side, one shuffle round a hop
+template <typename A>
+__device__ __forceinline__ A shfl_list_sum(A acc, A v, int head, int next) {
+  int h = head;
+  while (__any_sync(0xffffffffu, h < 32)) {
+    const A t = shfl_v(v, h & 31);
+    const int nx = __shfl_sync(0xffffffffu, next, h & 31);
+    if (h < 32) {
+      acc = addv(acc, t);
+      h = nx;
+    }
+  }
+  return acc;
+}
 __device__ __forceinline__ float shfl_up_v(float v, int d) { return __shfl_up_sync(0xffffffffu, v, d); }
 __device__ __forceinline__ float2 shfl_up_v(float2 v, int d) {
   return make_float2(__shfl_up_sync(0xffffffffu, v.x, d), __shfl_up_sync(0xffffffffu, v.y, d));
@@ -1060,16 +1075,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         const A dv = lane < n ? sd[o + lane] : zero_v<A>();
         const int w = lane < n ? sw[o + lane] : 32;
         const A v = cmul(dv, cv);
-        A sum = v;   // a destination's first source sums its merge list
-        int cur = w & 63;
-        while (__any_sync(0xffffffffu, cur < 32)) {
-          const A t = shfl_v(v, cur & 31);
-          const int nx = __shfl_sync(0xffffffffu, w & 63, cur & 31);
-          if (cur < 32) {
-            sum = addv(sum, t);
-            cur = nx;
-          }
-        }
+        const A sum = shfl_list_sum(v, v, w & 63, w & 63);   // a destination's first source sums its merge list
         const A cn = shfl_v(sum, (w >> 6) & 31);
         const bool dst = (w >> 22) & 1;
         if (dst) {
@@ -1310,16 +1316,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     // adds the v of its sources (a list through the words, usually one long) to u_r
     auto link_step = [&](const LinkIn<A>& l, A s) -> A {
       const A v = cmul(l.v, s);   // 0 past the predecessor's k: s and the factor are 0 there
-      A acc = l.u;
-      int h = l.w & 63;
-      while (__any_sync(0xffffffffu, h < 32)) {
-        const A t = shfl_v(v, h & 31);
-        const int nx = __shfl_sync(0xffffffffu, (l.w >> 8) & 63, h & 31);
-        if (h < 32) {
-          acc = addv(acc, t);
-          h = nx;
-        }
-      }
+      const A acc = shfl_list_sum(l.u, v, l.w & 63, (l.w >> 8) & 63);
       return lane < (l.w >> 16) ? acc : zero_v<A>();
     };
     // without links (not a complex fp32 form, short chunks, or a chunk that has no small image itself: where maps

@@ -129,21 +129,17 @@ def test_warp_lookback_links_match_reference(pmode, form, N):
 
 @pytest.mark.parametrize("ramp", [None, 0.5])
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
-def test_warp_ramped_chunks_match_reference(form, ramp):
+def test_warp_ramped_chunks_match_reference(form, ramp, monkeypatch):
     """One wave of chunks (32 sequences of 2053 steps at the default chunk): the warp forward's chunks grow along
     each sequence (the default ramp, and a steep one whose last chunks are 1.5x the mean), and the outputs still
     match the float64 loop to fp32 accuracy."""
     K = _cuda()
     P, D, b, x0, _ = _inputs(32, 2053, 128, form != "f32", seed=5)
-    old = K._state.pop("ramp", None)
-    try:
-        if ramp is not None:
-            K._state["ramp"] = ramp
-        _check_warp_forward(form, P, D, b, x0, (None,), 1e-5)
-    finally:
-        K._state.pop("ramp", None)
-        if old is not None:
-            K._state["ramp"] = old
+    if ramp is None:
+        monkeypatch.delitem(K._state, "ramp", raising=False)
+    else:
+        monkeypatch.setitem(K._state, "ramp", ramp)
+    _check_warp_forward(form, P, D, b, x0, (None,), 1e-5)
     used = [key for key in K._CHUNK_TABLES if key[0] == 2053 and key[3] == (ramp or K._RAMP)]
     assert used, "the launch did not use a ramped chunk table"
 
