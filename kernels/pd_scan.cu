@@ -649,6 +649,12 @@ __device__ __forceinline__ void l2_prefetch_row(const void* row, int bytes, int 
     asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(row) + min(lane * 128, bytes - 1)));
 }
 
+// Ask for `bytes` of contiguous memory to be brought into L2: one line a lane per instruction
+__device__ __forceinline__ void l2_prefetch_range(const void* p, int bytes, int lane) {
+  for (int o = lane * 128; o < bytes; o += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+}
+
 // A slot written whole, padding included: one 16-byte (real A: 8-byte) shared store, where the two fields as
 // written separately took two stores and twice the shared-memory wavefronts
 // (the padding word is left undefined: zeroing it cost a move per store)
@@ -760,6 +766,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
   // the repair's scratch (see REPAIR_FROM)
   constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
+  // the tail's prefetches and the repair's parallel piece search (session 22: up to 6% faster in the other forms)
+  // are left out of real bf16: the search alone made that kernel 9-22% slower at L >= 512, also where no chunk is
+  // logged and the code does not run, while its phase-1 loop moved by 3 instructions (cause not found)
+  constexpr bool kFastTail = !(K == REAL && sizeof(In) == 2);
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
   A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step REPAIR_FROM - 1
   A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step REPAIR_FROM - 1
@@ -1059,8 +1069,20 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     int* sw = reinterpret_cast<int*>(sd + a_planes * cap);
     for (int k = REPAIR_FROM; k < Tc;) {
       const int oa = s_off[k - REPAIR_FROM];
-      int kb = k + 1;   // steps k .. kb - 1 make the piece
-      while (kb < Tc && s_off[kb - REPAIR_FROM + 1] - oa <= cap) ++kb;
+      // steps k .. kb - 1 make the piece: the longest run that fits (offsets grow, so the lanes test 32 ends at a
+      // time; one at a time, the search was a chain of ~250 shared loads)
+      int kb = k + 1;
+      if constexpr (kFastTail) {
+        for (int j0 = k + 1; j0 < Tc; j0 += 32) {
+          const int j = j0 + lane;
+          const unsigned fits =
+              __ballot_sync(0xffffffffu, j < Tc && s_off[min(j, Tc - 1) - REPAIR_FROM + 1] - oa <= cap);
+          kb = j0 + __popc(fits);
+          if (fits != 0xffffffffu) break;
+        }
+      } else {
+        while (kb < Tc && s_off[kb - REPAIR_FROM + 1] - oa <= cap) ++kb;
+      }
       const int ne = s_off[kb - REPAIR_FROM] - oa;
       __syncwarp();   // the previous piece (or the replay's lists) is no longer read
       for (int i = lane; i < ne; i += 32) {
@@ -1416,7 +1438,25 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 
   // 3. replay from the entering state, writing x: every step, or with a log only the steps before REPAIR_FROM
   const bool logged = lg > 0;
+  // A logged chunk's tail is a chain of waits on device memory, which the other chunks' streaming keeps busy:
+  // its replay's rows are brought into L2 before it starts, and its log a few steps before the repair stages it.
+  if (kFastTail && logged) {
+    const int n = REPAIR_FROM * N;
+    l2_prefetch_range(a.P + row0, n * 2, lane);
+    l2_prefetch_range(plane(a.a0_re, row0), n * R::esize, lane);
+    l2_prefetch_range(plane(a.a1_re, row0), n * R::esize, lane);
+    if constexpr (K == SPLIT) {
+      l2_prefetch_range(plane(a.a0_im, row0), n * R::esize, lane);
+      l2_prefetch_range(plane(a.a1_im, row0), n * R::esize, lane);
+    }
+  }
   for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
+    if (kFastTail && logged && k == REPAIR_FROM - 4) {
+      const int ne = s_off[Tc - REPAIR_FROM];   // the log's entries
+      l2_prefetch_range(log_d(), ne * (int)sizeof(A), lane);
+      l2_prefetch_range(log_w(), ne * 4, lane);
+      if constexpr (kLogY) l2_prefetch_range(log_y(), ne * (int)sizeof(A), lane);
+    }
 #pragma unroll
     for (int j = 0; j < E; ++j) val[j] = cmul(cur.d[j], x[j]);
     scatter_step(val, cur, x, pn, k, n);
