@@ -821,6 +821,16 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
 #pragma unroll
     for (int j = 0; j < E; ++j) p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
   };
+  // each input plane's elements [i0, i0 + n) (whole rows) handed to pf(pointer, bytes), which asks L2 for them
+  auto prefetch_inputs = [&](size_t i0, int n, auto&& pf) {
+    pf(a.P + i0, n * 2);
+    pf(plane(a.a0_re, i0), n * R::esize);
+    pf(plane(a.a1_re, i0), n * R::esize);
+    if constexpr (K == SPLIT) {
+      pf(plane(a.a0_im, i0), n * R::esize);
+      pf(plane(a.a1_im, i0), n * R::esize);
+    }
+  };
   auto load_db = [&](int k, StepIn& s) {
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
@@ -828,14 +838,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     // (only in launches without a repair log: chunks that are logged read each row once, and there the prefetch
     // cost 3% in session 18)
     if (l2_ahead > 0 && a.rcap == 0 && k + l2_ahead < Tc) {
-      const size_t ip = row0 + static_cast<size_t>(k + l2_ahead) * N;
-      l2_prefetch_row(a.P + ip, N * 2, lane);
-      l2_prefetch_row(plane(a.a0_re, ip), N * R::esize, lane);
-      l2_prefetch_row(plane(a.a1_re, ip), N * R::esize, lane);
-      if constexpr (K == SPLIT) {
-        l2_prefetch_row(plane(a.a0_im, ip), N * R::esize, lane);
-        l2_prefetch_row(plane(a.a1_im, ip), N * R::esize, lane);
-      }
+      prefetch_inputs(row0 + static_cast<size_t>(k + l2_ahead) * N, N,
+                      [&](const void* p, int bytes) { l2_prefetch_row(p, bytes, lane); });
     }
     const int i0 = k * N;
     const void *dre = plane(row_d, i0), *dim = K == SPLIT ? plane(row_di, i0) : nullptr;
@@ -1440,16 +1444,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const bool logged = lg > 0;
   // A logged chunk's tail is a chain of waits on device memory, which the other chunks' streaming keeps busy:
   // its replay's rows are brought into L2 before it starts, and its log a few steps before the repair stages it.
-  if (kFastTail && logged) {
-    const int n = REPAIR_FROM * N;
-    l2_prefetch_range(a.P + row0, n * 2, lane);
-    l2_prefetch_range(plane(a.a0_re, row0), n * R::esize, lane);
-    l2_prefetch_range(plane(a.a1_re, row0), n * R::esize, lane);
-    if constexpr (K == SPLIT) {
-      l2_prefetch_range(plane(a.a0_im, row0), n * R::esize, lane);
-      l2_prefetch_range(plane(a.a1_im, row0), n * R::esize, lane);
-    }
-  }
+  if (kFastTail && logged)
+    prefetch_inputs(row0, REPAIR_FROM * N, [&](const void* p, int bytes) { l2_prefetch_range(p, bytes, lane); });
   for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
     if (kFastTail && logged && k == REPAIR_FROM - 4) {
       const int ne = s_off[Tc - REPAIR_FROM];   // the log's entries
