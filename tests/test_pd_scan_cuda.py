@@ -30,6 +30,9 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
     elif pmode == "ring32":   # every entry into the first 32, which rotate: the support never drops below 32
         P = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
         P = P.expand(S, L, N).contiguous()
+    elif pmode == "ring32then1":   # per 256 steps: 64 of ring32 (a support of 32), then all into entry 0
+        ring = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
+        P = torch.where((torch.arange(L, device="cuda") % 256 < 64)[:, None], ring, 0).expand(S, L, N).contiguous()
     elif pmode == "mixed":   # 256-step stretches of random maps and of permutations, in turn
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
         perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
@@ -42,6 +45,8 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         mag = mag / N
     elif pmode == "ring32":
         mag = mag * 32 / N
+    elif pmode == "ring32then1":
+        mag = mag * torch.where(torch.arange(L, device="cuda") % 256 < 64, 32 / N, 1 / N)[:, None]
     if cplx:
         D = torch.polar(mag, 2 * math.pi * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64))
         b = torch.randn(S, L, N, device="cuda", generator=g, dtype=torch.complex128)
@@ -113,6 +118,16 @@ def test_warp_repair_matches_reference(pmode, form):
     accuracy."""
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode=pmode, seed=11)
     _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
+
+
+@pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
+def test_warp_repair_log_in_pieces(form):
+    """A log longer than the shared memory that stages it (1,600-1,730 entries a chunk against 640-770 a piece):
+    chunks of 128 and 256 steps keep a support of 32 entries for 48 of their logged steps and of one after, so the
+    repair stages its log in several pieces, each ended where the next step would not fit; the outputs match the
+    float64 loop to fp32 accuracy."""
+    P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode="ring32then1", seed=17)
+    _check_warp_forward(form, P, D, b, x0, (128, 256), 1e-5)
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "mixed"])
