@@ -23,16 +23,18 @@ def _naive(P, D, b, x0):
 
 def _inputs(S, L, N, cplx, pmode="random", seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
+    step = torch.arange(L, device="cuda")
+    # ring32: every entry into the first 32, which rotate; ring32then1: that in the first 64 of each 256 steps
+    ring = lambda: (torch.arange(N, device="cuda") + step[:, None]) % 32
+    in_ring = step % 256 < 64
     if pmode == "collide":
         P = torch.randint(0, 2, (S, L, N), device="cuda", generator=g)
     elif pmode == "perm":
         P = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
-    elif pmode == "ring32":   # every entry into the first 32, which rotate: the support never drops below 32
-        P = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
-        P = P.expand(S, L, N).contiguous()
-    elif pmode == "ring32then1":   # per 256 steps: 64 of ring32 (a support of 32), then all into entry 0
-        ring = (torch.arange(N, device="cuda") + torch.arange(L, device="cuda")[:, None]) % 32
-        P = torch.where((torch.arange(L, device="cuda") % 256 < 64)[:, None], ring, 0).expand(S, L, N).contiguous()
+    elif pmode == "ring32":   # the support never drops below 32
+        P = ring().expand(S, L, N).contiguous()
+    elif pmode == "ring32then1":   # a support of 32 for 64 steps, then all into entry 0 (a support of one)
+        P = torch.where(in_ring[:, None], ring(), 0).expand(S, L, N).contiguous()
     elif pmode == "mixed":   # 256-step stretches of random maps and of permutations, in turn
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
         perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
@@ -46,7 +48,7 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
     elif pmode == "ring32":
         mag = mag * 32 / N
     elif pmode == "ring32then1":
-        mag = mag * torch.where(torch.arange(L, device="cuda") % 256 < 64, 32 / N, 1 / N)[:, None]
+        mag = mag * torch.where(in_ring, 32 / N, 1 / N)[:, None]
     if cplx:
         D = torch.polar(mag, 2 * math.pi * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64))
         b = torch.randn(S, L, N, device="cuda", generator=g, dtype=torch.complex128)
