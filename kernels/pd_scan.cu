@@ -73,6 +73,8 @@ __device__ __forceinline__ float2 ldcg_v(const float2* p) { return __ldcg(p); }
 template <int K> struct AccT { using T = float2; };
 template <> struct AccT<REAL> { using T = float; };
 
+template <bool B> struct Flag { static constexpr bool value = B; };   // a compile-time switch for a lambda
+
 // One logical array (D, b, x, ...): planes in global memory and its slice in shared memory.
 template <int K, typename In> struct Arr {
   using A = typename AccT<K>::T;
@@ -607,11 +609,13 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
   return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
 }
 // The repair: phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
-// stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps)
+// stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps: a log entry keeps its step in 9 bits)
 constexpr int REPAIR_FROM = 16;
 constexpr int REPAIR_MAX_T = 384;
-__host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {   // flags [M], state [M], support
-  return M * 4 + M * asize + 32 * (4 + asize + 4) + (REPAIR_MAX_T + 1) * 4;   // [32] x3, step offsets
+// flags [M], state [M], support [32] x2, the lanes' segments, mates and factors [32] x3, the merge tree (64
+// segments: head, next, level, factor; 2 counts and padding)
+__host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {
+  return M * 4 + M * asize + 32 * (asize + 4) + 32 * (asize + 8) + 64 * (12 + asize) + 16;
 }
 __host__ __device__ constexpr int warp_list_bytes(int M, int asize) {
   return 2 * M * 4 + (4 * M + 1) * 2 * asize;   // heads [2][M], slots [2][M], rows [2][M] (aliased), null slot
@@ -766,16 +770,26 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
   // the repair's scratch (see REPAIR_FROM)
   constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
-  // the tail's prefetches and the repair's parallel piece search (session 22: up to 6% faster in the other forms)
-  // are left out of real bf16: the search alone made that kernel 9-22% slower at L >= 512, also where no chunk is
-  // logged and the code does not run, while its phase-1 loop moved by 3 instructions (cause not found)
-  constexpr bool kFastTail = !(K == REAL && sizeof(In) == 2);
+  // real bf16's phase 1 slowed down with log code that it did not run (docs/bench/kernels.md, sessions 22-23): it
+  // runs in two copies of the step loop, with and without the log (see there)
+  constexpr bool kRealBf16 = K == REAL && sizeof(In) == 2;
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
   A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step REPAIR_FROM - 1
   A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step REPAIR_FROM - 1
-  int* s_sp = reinterpret_cast<int*>(s_y0 + 32);   // [32] compaction of one support step
-  int* s_sp0 = s_sp + 32;                      // [32] the support at step REPAIR_FROM - 1
-  int* s_off = s_sp0 + 32;                     // [REPAIR_MAX_T + 1] log offset of each repaired step
+  int* s_sp0 = reinterpret_cast<int*>(s_y0 + 32);   // [32] the support at step REPAIR_FROM - 1
+  // the merge tree of the support's segments (see log_step), per segment: its first child and next sibling
+  // (-1: none), its level (leaves 0) and the factor its path gathered until it merged; then the segment count
+  // and the top level
+  int* t_head = s_sp0 + 32;
+  int* t_next = t_head + 64;
+  int* t_lev = t_next + 64;
+  A* t_f = reinterpret_cast<A*>(t_lev + 64);
+  int* t_cnt = reinterpret_cast<int*>(t_f + 64);
+  // lane r's segment, the lanes in it, and the factor gathered since it began (in shared memory: in registers
+  // they made phase 1 spill at E=4)
+  A* s_segf = reinterpret_cast<A*>(t_cnt + 2 + 2);
+  int* s_seg = reinterpret_cast<int*>(s_segf + 32);
+  unsigned* s_mates = reinterpret_cast<unsigned*>(s_seg + 32);
   for (int i = lane; i < 2 * M; i += 32) head[i] = NUL;
   if (lane == 0) put_slot(reinterpret_cast<Slot*>(smem + NUL), zero_v<A>(), NUL);
   const Chunk ch = claim_chunk(a, false, nullptr, true);   // its barrier also publishes the heads
@@ -934,22 +948,28 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   int pn[E];    // P_{k+1} (the lists built during step k), then P_{k+2}
   A val[E];
   // steps 0 .. n - 1 in order: step(k, cur, pn, n), which calls scatter_step(val, cur, out, pn, k, n)
-  auto for_each_step = [&](int n, auto&& step) {
+  auto steps_begin = [&](int n) {
     load_p(0, cur.p);
     load_db(0, cur);
     if (n > 1) load_p(1, pn);
     build(par, cur.p, lk);   // the first step's lists
+  };
+  auto for_each_step = [&](int n, auto&& step) {
+    steps_begin(n);
     for (int k = 0; k < n; ++k) step(k, cur, pn, n);
   };
   // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step
   // REPAIR_FROM - 1 (random maps: ~2N/t entries after t steps) writes its zero-state outputs y_t from step
-  // REPAIR_FROM on in phase 1, and logs how the entering state's part c moves on that support: per support entry
-  // and step its factor D_t, the next entry merging into the same destination, and per destination its first
-  // source and position (bf16 outputs: and y there, in fp32). After the look-back, 3. replays only the first
-  // REPAIR_FROM steps and then adds c_t to the support's outputs by streaming the log (no input is read twice, no
-  // data-dependent load on the chain). A log that fills up (a.rcap entries) sends the chunk back to the full replay.
-  // phase 1 from the check on, in one register (phase 1 is at the register limit): lg = the log's length << 16 |
-  // sp << 6 | scnt, where lane r < scnt holds the support's r-th position sp; lg > 0: the chunk is logged
+  // REPAIR_FROM on in phase 1, and logs where the entering state's part c goes on that support. The support's
+  // entries follow their paths; where paths meet they merge into a new segment, so that c at an entry of a step
+  // is its segment's c at the segment's start times the factor gathered since (g): the log keeps, per step and
+  // support entry, the step, the position, the segment and g (bf16 outputs: and y there, in fp32), and a merge
+  // tree in shared memory keeps which segments merged into which with which factors. After the look-back, 3.
+  // replays only the first REPAIR_FROM steps, evaluates the tree a level at a time (a few dozen segments), and
+  // then adds c to every logged entry at once (no input is read twice, and no chain runs through the steps: the
+  // step-by-step repair cost ~80k cycles a chunk, each step a chain of shuffles queued behind the other warps').
+  // A log that fills up (a.rcap entries) sends the chunk back to the full replay.
+  // lg = the log's length << 16 | the support's size at the check; lg > 0: the chunk is logged
   int lg = 0;
   // Image tracking. Once the chunk's composed map has collapsed onto <= 32 entries (the check after step
   // REPAIR_FROM - 1), every source follows the path of its image entry, so phase 1 follows the image alone:
@@ -997,55 +1017,80 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       }
       base += __popc(bits[j]);
     }
-    if (lane == 0) s_off[0] = 0;
-    __syncwarp();
-    const int sp = lane < cnt ? s_sp0[lane] : 0;
-    if (E > 1) {
-      trk = true;
-      tpos = sp;
-#pragma unroll
-      for (int j = 0; j < E; ++j) pim[j] = live(j) ? s_img[pim[j]] : 0;
+    t_head[lane] = t_head[lane + 32] = -1;   // each support entry a segment of its own, a leaf
+    t_lev[lane] = t_lev[lane + 32] = 0;
+    if (lane == 0) {
+      t_cnt[0] = cnt;
+      t_cnt[1] = 0;
     }
-    if (a.rcap > 0 && Tc <= REPAIR_MAX_T) lg = sp << 6 | cnt;
+    __syncwarp();
+    s_seg[lane] = lane;
+    s_mates[lane] = 1u << lane;
+    s_segf[lane] = one_v<A>();
+    trk = true;
+    tpos = lane < cnt ? s_sp0[lane] : 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) pim[j] = live(j) ? s_img[pim[j]] : 0;
+    if (a.rcap > 0 && Tc <= REPAIR_MAX_T) lg = cnt;
   };
-  // phase 1's logged step k (rows rw of the step, y = y_k): write y_k, move the support, log the move
-  auto support_step = [&](int k, const Slot* rw, const A (&yv)[E]) {
+  // phase 1's logged step k (y = y_k; the lanes' support entries have moved with factor dv): write y_k, merge
+  // the segments whose paths meet, log an entry per support position
+  auto log_step = [&](int k, A dv, const A (&yv)[E]) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
       if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, yv[j]);
-    const int scnt = lg & 63, sp = (lg >> 6) & 1023, loff = lg >> 16;
-    if (loff + scnt > a.rcap) {   // the log is full: give up, the replay runs the whole chunk
+    const int cnt = lg & 63, loff = lg >> 16;
+    const bool src = lane < cnt;
+    const unsigned below = (1u << lane) - 1u;
+    A g = cmul(dv, s_segf[lane]);
+    int seg = s_seg[lane];
+    const unsigned peers = __match_any_sync(0xffffffffu, src ? tpos : -1 - lane);   // lanes past cnt: alone
+    // lanes at one position stay together, so a position's lanes grow past the lane's segment only by a merge
+    const unsigned mates = s_mates[lane];
+    const bool merge = src && peers != mates;
+    if (__any_sync(0xffffffffu, merge)) {   // at most 31 times a chunk
+      const int first = __ffs(peers) - 1;
+      const unsigned opens = __ballot_sync(0xffffffffu, merge && first == lane);
+      const int nseg = t_cnt[0];
+      const int S = __shfl_sync(0xffffffffu, nseg + __popc(opens & below), first);   // the new segment
+      __syncwarp();
+      if (merge && __ffs(mates) - 1 == lane) {   // one lane per merging segment: its edge into S
+        t_f[seg] = g;
+        t_next[seg] = atomicExch(&t_head[S], seg);
+        atomicMax(&t_lev[S], t_lev[seg] + 1);
+      }
+      if (lane == 0) t_cnt[0] = nseg + __popc(opens);
+      __syncwarp();
+      if (merge && first == lane) atomicMax(&t_cnt[1], t_lev[S]);
+      if (merge) {
+        seg = S;
+        g = one_v<A>();
+        s_seg[lane] = S;
+        s_mates[lane] = peers;
+      }
+    }
+    s_segf[lane] = g;
+    const bool lead = src && __ffs(peers) - 1 == lane;
+    const unsigned leads = __ballot_sync(0xffffffffu, lead);
+    if (loff + __popc(leads) > a.rcap) {   // the log is full: give up, the replay runs the whole chunk
       lg = 0;
       return;
     }
-    const bool src = lane < scnt;
-    const Slot r = rw[sp];
-    const int np = src ? r.link : N + lane;   // lanes past the support match nobody
-    const unsigned peers = __match_any_sync(0xffffffffu, np);
-    const bool lead = src && __ffs(peers) - 1 == lane;
-    const unsigned above = peers & (0xfffffffeu << lane);
-    const int link = above ? __ffs(above) - 1 : 32;   // the next source with this destination; 32: none
-    const unsigned leads = __ballot_sync(0xffffffffu, lead);
-    if (lead) s_sp[__popc(leads & ((1u << lane) - 1u))] = lane | (np << 5);
-    __syncwarp();
-    const int ncnt = __popc(leads);
-    const int hw = lane < ncnt ? s_sp[lane] : 0;   // destination `lane`: its first source and its position
-    if (src) {
-      log_d()[loff + lane] = r.v;
-      log_w()[loff + lane] = link | (hw & 31) << 6 | (hw >> 5) << 11 | (lane < ncnt ? 1 << 22 : 0);
+    const int i = loff + __popc(leads & below);
+    if (lead) {
+      log_d()[i] = g;
+      log_w()[i] = k | tpos << 9 | seg << 20;
     }
-    if constexpr (kLogY) {   // y at destination `lane`'s position, from the lane that holds it
-      const int pos = hw >> 5;
+    if constexpr (kLogY) {   // y at the lane's position, from the lane that holds it
       A yd = zero_v<A>();
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const A t = shfl_v(yv[j], pos & 31);
-        if ((pos >> 5) == j) yd = t;
+        const A t = shfl_v(yv[j], tpos & 31);
+        if ((tpos >> 5) == j) yd = t;
       }
-      if (lane < ncnt) log_y()[loff + lane] = yd;
+      if (lead) log_y()[i] = yd;
     }
-    if (lane == 0) s_off[k - REPAIR_FROM + 1] = loff + scnt;
-    lg = (loff + scnt) << 16 | (hw >> 5) << 6 | ncnt;
+    lg += __popc(leads) << 16;
   };
   // out[i] += v as a reduction (REDG: fire and forget; atomicAdd compiles to an ATOMG that costs the repair ~3x)
   auto red_out = [&](size_t i, A v) {
@@ -1058,59 +1103,56 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       red_add(static_cast<float*>(a.out_re) + i, v);
     }
   };
-  // 3b. after the replay of steps 0 .. REPAIR_FROM - 1 (state xs): c on the support, then the logged steps
+  // 3b. after the replay of steps 0 .. REPAIR_FROM - 1 (state xs): c at every segment's start, then every entry
   auto repair = [&](const A (&xs)[E]) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) s_xv[lane + 32 * j] = xs[j];
-    __syncwarp();
-    const int cnt0 = s_off[1];
-    A cv = lane < cnt0 ? subv(s_xv[s_sp0[lane]], s_y0[lane]) : zero_v<A>();   // c = x - y, zero off the support
-    // the log staged into the lists' space (free now) a piece at a time: one device-memory latency per piece
+    const int cnt0 = lg & 63, ne = lg >> 16;
+    // the log is staged into the lists' space (free now) a piece at a time (one device-memory latency a piece),
+    // the first piece while the tree is evaluated
     constexpr int a_planes = kLogY ? 2 : 1;   // A-sized planes of the log: factors, (bf16) y
-    constexpr int cap = warp_list_bytes(M, sizeof(A)) / (a_planes * (int)sizeof(A) + 4);   // per piece (>= 32)
+    constexpr int lbytes = warp_list_bytes(M, sizeof(A)) - 64 * (int)sizeof(A);
+    constexpr int cap = lbytes / (a_planes * (int)sizeof(A) + 4);   // entries a piece (>= 64)
     A* sd = reinterpret_cast<A*>(smem);
     A* sy = sd + cap;   // bf16 only
     int* sw = reinterpret_cast<int*>(sd + a_planes * cap);
-    for (int k = REPAIR_FROM; k < Tc;) {
-      const int oa = s_off[k - REPAIR_FROM];
-      // steps k .. kb - 1 make the piece: the longest run that fits (offsets grow, so the lanes test 32 ends at a
-      // time; one at a time, the search was a chain of ~250 shared loads)
-      int kb = k + 1;
-      if constexpr (kFastTail) {
-        for (int j0 = k + 1; j0 < Tc; j0 += 32) {
-          const int j = j0 + lane;
-          const unsigned fits =
-              __ballot_sync(0xffffffffu, j < Tc && s_off[min(j, Tc - 1) - REPAIR_FROM + 1] - oa <= cap);
-          kb = j0 + __popc(fits);
-          if (fits != 0xffffffffu) break;
-        }
-      } else {
-        while (kb < Tc && s_off[kb - REPAIR_FROM + 1] - oa <= cap) ++kb;
-      }
-      const int ne = s_off[kb - REPAIR_FROM] - oa;
-      __syncwarp();   // the previous piece (or the replay's lists) is no longer read
-      for (int i = lane; i < ne; i += 32) {
+    A* s_c = reinterpret_cast<A*>(smem + lbytes);   // [64]: c at each segment's start
+    auto stage = [&](int oa) {
+      for (int i = lane; i < min(cap, ne - oa); i += 32) {
         cp_async_small<sizeof(A)>(sd + i, log_d() + oa + i);
         cp_async_small<4>(sw + i, log_w() + oa + i);
         if constexpr (kLogY) cp_async_small<sizeof(A)>(sy + i, log_y() + oa + i);
       }
+    };
+    __syncwarp();   // the replay's lists are no longer read (its walks end lane by lane)
+    stage(0);
+#pragma unroll
+    for (int j = 0; j < E; ++j) s_xv[lane + 32 * j] = xs[j];
+    const int nseg = t_cnt[0], top = t_cnt[1];
+    const int sm = cnt0 + lane;   // the lane's merged segment: its children's c times their factors
+    const int lev = sm < nseg ? t_lev[sm] : 0, first = sm < nseg ? t_head[sm] : -1;
+    __syncwarp();
+    if (lane < cnt0) s_c[lane] = subv(s_xv[s_sp0[lane]], s_y0[lane]);   // a leaf: x - y at the check
+    for (int lv = 1; lv <= top; ++lv) {
+      __syncwarp();
+      if (lev == lv) {
+        A acc = zero_v<A>();
+        for (int ch = first; ch >= 0; ch = t_next[ch]) acc = addv(acc, cmul(t_f[ch], s_c[ch]));
+        s_c[sm] = acc;
+      }
+    }
+    for (int oa = 0; oa < ne; oa += cap) {
+      if (oa > 0) {
+        __syncwarp();   // the previous piece is no longer read
+        stage(oa);
+      }
       cp_async_wait_all();
       __syncwarp();
-      for (; k < kb; ++k) {
-        const int o = s_off[k - REPAIR_FROM] - oa, n = s_off[k - REPAIR_FROM + 1] - oa - o;
-        const A dv = lane < n ? sd[o + lane] : zero_v<A>();
-        const int w = lane < n ? sw[o + lane] : 32;
-        const A v = cmul(dv, cv);
-        const A sum = shfl_list_sum(v, v, w & 63, w & 63);   // a destination's first source sums its merge list
-        const A cn = shfl_v(sum, (w >> 6) & 31);
-        const bool dst = (w >> 22) & 1;
-        if (dst) {
-          const size_t i = row0 + static_cast<size_t>(k) * N + ((w >> 11) & 2047);
-          // bf16: y + c rounded once (adding c to a rounded y would round twice, badly where they cancel)
-          if constexpr (kLogY) R::gstore(a.out_re, a.out_im, i, addv(sy[o + lane], cn));
-          else red_out(i, cn);
-        }
-        cv = dst ? cn : zero_v<A>();
+      for (int i = lane; i < min(cap, ne - oa); i += 32) {
+        const int w = sw[i];
+        const A cn = cmul(sd[i], s_c[w >> 20]);
+        const size_t o = row0 + static_cast<size_t>(w & 511) * N + ((w >> 9) & 2047);
+        // bf16: y + c rounded once (adding c to a rounded y would round twice, badly where they cancel)
+        if constexpr (kLogY) R::gstore(a.out_re, a.out_im, o, addv(sy[i], cn));
+        else red_out(o, cn);
       }
     }
   };
@@ -1129,7 +1171,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    for_each_step(Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
+    auto p1_step = [&](int k, StepIn& cur, int (&pn)[E], int n, auto logging) {
       Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
 #pragma unroll
       for (int j = 0; j < E; ++j) {
@@ -1137,11 +1179,13 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur, y, pn, k, n);
-      if (lg > 0) support_step(k, rw, y);
       if (trk) {
         const Slot r = rw[tpos];
         tf = cmul(r.v, tf);
         tpos = r.link;
+        if constexpr (decltype(logging)::value) {
+          if (lg > 0) log_step(k, r.v, y);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
@@ -1151,7 +1195,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         }
       }
       if (k == REPAIR_FROM - 1 && Tc >= REPAIR_FROM + 8) collapse_check(pi, y);
-    });
+    };
+    // real bf16: two copies of the step loop, one with the log and one without, so that the log's code stays out
+    // of the loop of the chunks that keep none (at L=2048 it ran 12% slower with the code inline but not run);
+    // the other forms keep one loop (two made them spill at E=4)
+    steps_begin(Tc);
+    int k = 0;
+    if constexpr (kRealBf16)
+      for (; k < Tc && lg == 0; ++k) p1_step(k, cur, pn, Tc, Flag<false>{});
+    for (; k < Tc; ++k) p1_step(k, cur, pn, Tc, Flag<true>{});
     if (trk) {   // back to one (pi, d) per source: its image entry's end position, its factor times the entry's
 #pragma unroll
       for (int j = 0; j < E; ++j) {
@@ -1444,11 +1496,11 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const bool logged = lg > 0;
   // A logged chunk's tail is a chain of waits on device memory, which the other chunks' streaming keeps busy:
   // its replay's rows are brought into L2 before it starts, and its log a few steps before the repair stages it.
-  if (kFastTail && logged)
+  if (logged)
     prefetch_inputs(row0, REPAIR_FROM * N, [&](const void* p, int bytes) { l2_prefetch_range(p, bytes, lane); });
   for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
-    if (kFastTail && logged && k == REPAIR_FROM - 4) {
-      const int ne = s_off[Tc - REPAIR_FROM];   // the log's entries
+    if (logged && k == REPAIR_FROM - 4) {
+      const int ne = lg >> 16;   // the log's entries
       l2_prefetch_range(log_d(), ne * (int)sizeof(A), lane);
       l2_prefetch_range(log_w(), ne * 4, lane);
       if constexpr (kLogY) l2_prefetch_range(log_y(), ne * (int)sizeof(A), lane);

@@ -35,6 +35,10 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         P = ring().expand(S, L, N).contiguous()
     elif pmode == "ring32then1":   # a support of 32 for 64 steps, then all into entry 0 (a support of one)
         P = torch.where(in_ring[:, None], ring(), 0).expand(S, L, N).contiguous()
+    elif pmode == "chain":   # every entry into the first 32, which stay; at steps 16-46 of each 256, entry j into 0
+        j = (step % 256 - 15)[:, None]
+        P = torch.arange(N, device="cuda") % 32
+        P = torch.where((j >= 1) & (j <= 31) & (P == j), 0, P).expand(S, L, N).contiguous()
     elif pmode == "mixed":   # 256-step stretches of random maps and of permutations, in turn
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
         perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
@@ -49,6 +53,8 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         mag = mag * 32 / N
     elif pmode == "ring32then1":
         mag = mag * torch.where(in_ring, 32 / N, 1 / N)[:, None]
+    elif pmode == "chain":   # unit factors on the 32 kept entries, so that the entering state never fades
+        mag = torch.where(torch.arange(N, device="cuda") < 32, 1.0, mag).double()
     if cplx:
         D = torch.polar(mag, 2 * math.pi * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64))
         b = torch.randn(S, L, N, device="cuda", generator=g, dtype=torch.complex128)
@@ -122,6 +128,17 @@ def test_warp_repair_matches_reference(pmode, form):
     _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
 
 
+@pytest.mark.parametrize("N", [32, 128])
+@pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
+def test_warp_repair_deep_merge_tree(form, N):
+    """A chunk of 256 steps whose 32 support entries merge one a step (steps 16-46: entry j into entry 0), with
+    unit factors so that the entering state's part never fades: the repair's merge tree is a chain 31 levels deep
+    over 63 segments, the most it holds; chunks of 64 and 128 steps see the chain cut; one lane per entry at N=32.
+    The outputs match the float64 loop to fp32 accuracy."""
+    P, D, b, x0, _ = _inputs(2, 1024, N, form != "f32", pmode="chain", seed=19)
+    _check_warp_forward(form, P, D, b, x0, (64, 128, 256), 1e-5)
+
+
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
 def test_warp_repair_log_in_pieces(form):
     """A log longer than the shared memory that stages it (1,600-1,730 entries a chunk against 640-770 a piece):
@@ -192,13 +209,13 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
     assert torch.equal(starts.cpu(), K._chunk_starts_on(L, C, 64, K._RAMP, Pk.device).cpu())
 
 
-@pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32"])
+@pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32", "chain"])
 @pytest.mark.parametrize("form", ["bf16", "split_bf16"])
 def test_warp_repair_bf16_rounds_once(pmode, form):
     """bf16 outputs of repaired chunks (>= 128 steps) are y + c in fp32 rounded once: every element within one bf16
     rounding (2^-8 relative) of the float64 loop, plus fp32 noise, where adding c to a rounded y could be off by
     far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
-    to the full replay."""
+    to the full replay. chain merges its 32 support entries one a step (a merge tree 31 deep)."""
     K = _cuda()
     cplx = form == "split_bf16"
     P, D, b, x0, _ = _inputs(2, 1500, 128, cplx, pmode=pmode, seed=13)
