@@ -51,8 +51,9 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         mag = mag / N
     elif pmode == "ring32":
         mag = mag * 32 / N
-    elif pmode == "ring32then1":
-        mag = mag * torch.where(in_ring, 32 / N, 1 / N)[:, None]
+    elif pmode == "ring32then1":   # unit factors within the ring, so that the entering state keeps its size there
+        keep = in_ring[:, None] & (torch.arange(N, device="cuda") < 32)
+        mag = torch.where(keep, 1.0, mag * torch.where(in_ring, 32 / N, 1 / N)[:, None]).double()
     elif pmode == "chain":   # unit factors on the 32 kept entries, so that the entering state never fades
         mag = torch.where(torch.arange(N, device="cuda") < 32, 1.0, mag).double()
     if cplx:
@@ -141,10 +142,10 @@ def test_warp_repair_deep_merge_tree(form, N):
 
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
 def test_warp_repair_log_in_pieces(form):
-    """A log longer than the shared memory that stages it (1,600-1,730 entries a chunk against 640-770 a piece):
-    chunks of 128 and 256 steps keep a support of 32 entries for 48 of their logged steps and of one after, so the
-    repair stages its log in several pieces, each ended where the next step would not fit; the outputs match the
-    float64 loop to fp32 accuracy."""
+    """A log longer than the shared memory that stages it (1,600-1,730 entries a chunk against 609-726 a piece):
+    chunks of 128 and 256 steps keep a support of 32 entries, with unit factors, for 48 of their logged steps and
+    of one after, so the repair stages its log in several pieces, each of them carrying the entering state at full
+    size; the outputs match the float64 loop to fp32 accuracy."""
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode="ring32then1", seed=17)
     _check_warp_forward(form, P, D, b, x0, (128, 256), 1e-5)
 
