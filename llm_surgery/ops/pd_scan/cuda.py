@@ -167,18 +167,16 @@ def _ptr(t):
 _ALGOS = {"auto": 0, "block": 1, "warp": 2}
 
 
-def _algo_code(algo, S, L, N, bwd, bf16=False):
+def _algo_code(algo, N, bwd):
     """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
     if algo not in _ALGOS:
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
     if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/bench/kernels.md):
-        # the warp kernel up to N = 256, but for bf16 states of 32-63 entries over many sequence-steps, where the
-        # block kernel is 1-4% faster; the block kernel for N > 256
-        if N > 256 or (bf16 and 32 <= N < 64 and S * L >= 1 << 19):
-            return 1
-        return 2
+        # the warp kernel up to N = 256 (since session 23 also for bf16 states of 32-63 entries over many
+        # sequence-steps, where the block kernel had been 1-8% faster), the block kernel above
+        return 1 if N > 256 else 2
     return _ALGOS[algo]
 
 
@@ -283,7 +281,7 @@ def _chunk_starts(L, C, T, r, device):
 
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
-    code = _algo_code(algo, S, L, N, bwd, bool(bf16))
+    code = _algo_code(algo, N, bwd)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
     if T < 1:
