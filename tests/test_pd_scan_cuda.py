@@ -213,7 +213,7 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32", "chain"])
 @pytest.mark.parametrize("form", ["bf16", "split_bf16"])
 def test_warp_repair_bf16_rounds_once(pmode, form):
-    """bf16 outputs of repaired chunks (>= 24 steps) are y + c in fp32 rounded once: every element within one bf16
+    """bf16 outputs of repaired chunks (>= 128 steps) are y + c in fp32 rounded once: every element within one bf16
     rounding (2^-8 relative) of the float64 loop, plus fp32 noise, where adding c to a rounded y could be off by
     far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
     to the full replay. chain merges its 32 support entries one a step (a merge tree 31 deep)."""
