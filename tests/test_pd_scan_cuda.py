@@ -132,10 +132,11 @@ def test_warp_repair_matches_reference(pmode, form):
 @pytest.mark.parametrize("N", [32, 128])
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
 def test_warp_repair_deep_merge_tree(form, N):
-    """A chunk of 256 steps whose 32 support entries merge one a step (steps 16-46: entry j into entry 0), with
-    unit factors so that the entering state's part never fades: the repair's merge tree is a chain 31 levels deep
-    over 63 segments, the most it holds; chunks of 64 and 128 steps see the chain cut; one lane per entry at N=32.
-    The outputs match the float64 loop to fp32 accuracy."""
+    """Chunks whose 32 support entries merge one a step (steps 16-46 of every 256: entry j into entry 0), with
+    unit factors so that the entering state's part never fades: in each chunk that starts a 256-step period (at
+    64, 128 and 256 steps alike) the repair's merge tree is a chain 31 levels deep over 63 segments, the most it
+    holds; the other chunks keep a support of 32 without merges; one lane per entry at N=32. The outputs match the
+    float64 loop to fp32 accuracy."""
     P, D, b, x0, _ = _inputs(2, 1024, N, form != "f32", pmode="chain", seed=19)
     _check_warp_forward(form, P, D, b, x0, (64, 128, 256), 1e-5)
 
