@@ -608,8 +608,11 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
   const int e = (N + 31) / 32;
   return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
 }
-// The repair: phase 1 logs the entering state's support from step REPAIR_FROM on, and the replay
-// stops there (chunks of REPAIR_FROM + 8 to REPAIR_MAX_T steps: a log entry keeps its step in 9 bits)
+// The repair: phase 1 logs the entering state's support from the first step kc in [REPAIR_EARLIEST, REPAIR_FROM]
+// at which it has collapsed to <= 32 entries, and the replay stops there (chunks of REPAIR_FROM + 8 to
+// REPAIR_MAX_T steps: a log entry keeps its step in 9 bits). Checking from step 5 rather than at step 16 alone
+// halved the replay and made the forward 0-4% faster (docs/bench/kernels.md, session 24).
+constexpr int REPAIR_EARLIEST = 5;
 constexpr int REPAIR_FROM = 16;
 constexpr int REPAIR_MAX_T = 384;
 // flags [M], state [M], support [32] x2, the lanes' segments, mates and factors [32] x3, the merge tree (64
@@ -774,9 +777,9 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   // runs in two copies of the step loop, with and without the log (see there)
   constexpr bool kRealBf16 = K == REAL && sizeof(In) == 2;
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
-  A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step REPAIR_FROM - 1
-  A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step REPAIR_FROM - 1
-  int* s_sp0 = reinterpret_cast<int*>(s_y0 + 32);   // [32] the support at step REPAIR_FROM - 1
+  A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step kc - 1
+  A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step kc - 1
+  int* s_sp0 = reinterpret_cast<int*>(s_y0 + 32);   // [32] the support at step kc - 1
   // the merge tree of the support's segments (see log_step), per segment: its first child and next sibling
   // (-1: none), its level (leaves 0) and the factor its path gathered until it merged; then the segment count
   // and the top level
@@ -958,21 +961,21 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     steps_begin(n);
     for (int k = 0; k < n; ++k) step(k, cur, pn, n);
   };
-  // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step
-  // REPAIR_FROM - 1 (random maps: ~2N/t entries after t steps) writes its zero-state outputs y_t from step
-  // REPAIR_FROM on in phase 1, and logs where the entering state's part c goes on that support. The support's
+  // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step kc - 1 (the first
+  // such step from REPAIR_EARLIEST - 1 to REPAIR_FROM - 1; random maps: ~2N/t entries after t steps) writes its
+  // zero-state outputs y_t from step kc on in phase 1, and logs where the entering state's part c goes on that support. The support's
   // entries follow their paths; where paths meet they merge into a new segment, so that c at an entry of a step
   // is its segment's c at the segment's start times the factor gathered since (g): the log keeps, per step and
   // support entry, the step, the position, the segment and g (bf16 outputs: and y there, in fp32), and a merge
   // tree in shared memory keeps which segments merged into which with which factors. After the look-back, 3.
-  // replays only the first REPAIR_FROM steps, evaluates the tree a level at a time (a few dozen segments), and
+  // replays only the first kc steps, evaluates the tree a level at a time (a few dozen segments), and
   // then adds c to every logged entry at once (no input is read twice, and no chain runs through the steps: the
   // step-by-step repair cost ~80k cycles a chunk, each step a chain of shuffles queued behind the other warps').
   // A log that fills up (a.rcap entries) sends the chunk back to the full replay.
-  // lg = the log's length << 16 | the support's size at the check; lg > 0: the chunk is logged
+  // lg = the log's length << 16 | kc << 8 | the support's size at the check; lg > 0: the chunk is logged
   int lg = 0;
   // Image tracking. Once the chunk's composed map has collapsed onto <= 32 entries (the check after step
-  // REPAIR_FROM - 1), every source follows the path of its image entry, so phase 1 follows the image alone:
+  // kc - 1), every source follows the path of its image entry, so phase 1 follows the image alone:
   // lane r holds entry r's position (tpos) and the factor its path has gathered since the check (tf), one
   // gather a step instead of E; pi then holds each source's image rank and d its factor up to the check.
   bool trk = false;
@@ -988,8 +991,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     return reinterpret_cast<A*>(reinterpret_cast<int*>(static_cast<A*>(a.rlog) + log_plane()) + log_plane()) +
            log_at();
   };
-  // after phase 1's step REPAIR_FROM - 1: the image of pi, and whether the log takes this chunk
-  auto collapse_check = [&](int (&pim)[E], const A (&yv)[E]) {
+  // after phase 1's step kc - 1: the image of pi, and whether the log takes this chunk
+  auto collapse_check = [&](int (&pim)[E], const A (&yv)[E], int kc) {
 #pragma unroll
     for (int j = 0; j < E; ++j) s_img[lane + 32 * j] = 0;
     __syncwarp();
@@ -1031,7 +1034,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     tpos = lane < cnt ? s_sp0[lane] : 0;
 #pragma unroll
     for (int j = 0; j < E; ++j) pim[j] = live(j) ? s_img[pim[j]] : 0;
-    if (a.rcap > 0 && Tc <= REPAIR_MAX_T) lg = cnt;
+    if (a.rcap > 0 && Tc <= REPAIR_MAX_T) lg = cnt | kc << 8;
   };
   // phase 1's logged step k (y = y_k; the lanes' support entries have moved with factor dv): write y_k, merge
   // the segments whose paths meet, log an entry per support position
@@ -1103,7 +1106,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       red_add(static_cast<float*>(a.out_re) + i, v);
     }
   };
-  // 3b. after the replay of steps 0 .. REPAIR_FROM - 1 (state xs): c at every segment's start, then every entry
+  // 3b. after the replay of steps 0 .. kc - 1 (state xs): c at every segment's start, then every entry
   auto repair = [&](const A (&xs)[E]) {
     const int cnt0 = lg & 63, ne = lg >> 16;
     // the log is staged into the lists' space (free now) a piece at a time (one device-memory latency a piece),
@@ -1194,7 +1197,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
           pi[j] = r.link;
         }
       }
-      if (k == REPAIR_FROM - 1 && Tc >= REPAIR_FROM + 8) collapse_check(pi, y);
+      if (!trk && k >= REPAIR_EARLIEST - 1 && k < REPAIR_FROM && Tc >= REPAIR_FROM + 8)   // until it collapses
+        collapse_check(pi, y, k + 1);
     };
     // real bf16: two copies of the step loop, one with the log and one without, so that the log's code stays out
     // of the loop of the chunks that keep none (at L=2048 it ran 12% slower with the code inline but not run);
@@ -1492,14 +1496,15 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     if (prof && lane == 0) prof[4] = clock64();
   }
 
-  // 3. replay from the entering state, writing x: every step, or with a log only the steps before REPAIR_FROM
+  // 3. replay from the entering state, writing x: every step, or with a log only the steps before kc
   const bool logged = lg > 0;
+  const int kc = (lg >> 8) & 255;   // a logged chunk's first logged step
   // A logged chunk's tail is a chain of waits on device memory, which the other chunks' streaming keeps busy:
   // its replay's rows are brought into L2 before it starts, and its log a few steps before the repair stages it.
   if (logged)
-    prefetch_inputs(row0, REPAIR_FROM * N, [&](const void* p, int bytes) { l2_prefetch_range(p, bytes, lane); });
-  for_each_step(logged ? REPAIR_FROM : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
-    if (logged && k == REPAIR_FROM - 4) {
+    prefetch_inputs(row0, kc * N, [&](const void* p, int bytes) { l2_prefetch_range(p, bytes, lane); });
+  for_each_step(logged ? kc : Tc, [&](int k, StepIn& cur, int (&pn)[E], int n) {
+    if (logged && k == kc - 4) {
       const int ne = lg >> 16;   // the log's entries
       l2_prefetch_range(log_d(), ne * (int)sizeof(A), lane);
       l2_prefetch_range(log_w(), ne * 4, lane);

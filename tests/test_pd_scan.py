@@ -120,8 +120,8 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
 
 
 def test_cuda_repair_log_capacity_without_a_gpu():
-    """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..256 steps (bf16: 128..256),
-    else none."""
+    """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..384 steps (bf16 over many
+    waves: 128..384), else none."""
     from llm_surgery.ops.pd_scan import cuda
 
     warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
@@ -130,7 +130,9 @@ def test_cuda_repair_log_capacity_without_a_gpu():
     assert cuda._repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
     assert cuda._repair_capacity(warp, False, False, 512, 128) == 0    # past the kernel's step table
     assert cuda._repair_capacity(warp, False, True, 256, 128) == 4096  # bfloat16 outputs: long chunks only
-    assert cuda._repair_capacity(warp, False, True, 64, 128) == 0
+    assert cuda._repair_capacity(warp, False, True, 64, 128) == 0      # over many waves
+    assert cuda._repair_capacity(warp, False, True, 64, 128, one_wave=True) == 1024   # in one wave: from 24 steps
+    assert cuda._repair_capacity(warp, False, True, 16, 128, one_wave=True) == 0
     assert cuda._repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
     assert cuda._repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
 
@@ -142,9 +144,11 @@ def test_cuda_repair_bounds_match_the_kernel_source():
     from llm_surgery.ops.pd_scan import cuda
     src = (cuda._source_dir() / "pd_scan.cu").read_text()
     const = {k: int(v) for k, v in re.findall(r"constexpr int (REPAIR_\w+) = (\d+);", src)}
-    assert set(const) == {"REPAIR_FROM", "REPAIR_MAX_T"}
-    # the kernel's own checks: the collapse check from REPAIR_FROM + 8 steps, the log only up to REPAIR_MAX_T
-    assert "k == REPAIR_FROM - 1 && Tc >= REPAIR_FROM + 8" in src
+    assert set(const) == {"REPAIR_EARLIEST", "REPAIR_FROM", "REPAIR_MAX_T"}
+    assert 1 <= const["REPAIR_EARLIEST"] <= const["REPAIR_FROM"]
+    # the kernel's own checks: the collapse check at steps REPAIR_EARLIEST .. REPAIR_FROM of chunks of
+    # REPAIR_FROM + 8 steps or more, the log only up to REPAIR_MAX_T
+    assert "k >= REPAIR_EARLIEST - 1 && k < REPAIR_FROM && Tc >= REPAIR_FROM + 8" in src
     assert "a.rcap > 0 && Tc <= REPAIR_MAX_T" in src
     assert cuda._REPAIR_MIN_T == const["REPAIR_FROM"] + 8
     assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
@@ -199,17 +203,15 @@ def test_cuda_chunk_tables_without_a_gpu():
 
 def test_cuda_chunk_ramp_policy_without_a_gpu():
     """Which warp-forward launches get growing chunks (pure Python): default chunks of >= 32 steps that fit one
-    wave and have a repair log; not a caller's chunk, two waves, short chunks, or bf16 chunks too short to log."""
+    wave (and so have a repair log); not a caller's chunk, two waves, short chunks, or one chunk."""
     from llm_surgery.ops.pd_scan import cuda
     r, slots = cuda._RAMP, 132 * 16
-    assert cuda._chunk_ramp(False, None, 32, 64, 256, 128, slots) == r     # B=32, L=16384
-    assert cuda._chunk_ramp(True, None, 32, 64, 256, 128, slots) == r      # bf16, logged at 256 steps
-    assert cuda._chunk_ramp(False, None, 32, 32, 64, 128, slots) == r      # fp32 at 64 steps: logged
-    assert cuda._chunk_ramp(True, None, 32, 32, 64, 128, slots) == 0.0     # bf16 at 64 steps: replayed in full
-    assert cuda._chunk_ramp(False, 256, 32, 64, 256, 128, slots) == 0.0    # the caller's chunk
-    assert cuda._chunk_ramp(False, None, 64, 64, 256, 128, slots) == 0.0   # two waves
-    assert cuda._chunk_ramp(False, None, 32, 32, 16, 128, slots) == 0.0    # short chunks
-    assert cuda._chunk_ramp(False, None, 1, 1, 256, 128, slots) == 0.0     # one chunk
+    assert cuda._chunk_ramp(None, 32, 64, 256, slots) == r     # B=32, L=16384
+    assert cuda._chunk_ramp(None, 32, 32, 64, slots) == r      # B=32, L=2048
+    assert cuda._chunk_ramp(256, 32, 64, 256, slots) == 0.0    # the caller's chunk
+    assert cuda._chunk_ramp(None, 64, 64, 256, slots) == 0.0   # two waves
+    assert cuda._chunk_ramp(None, 32, 32, 16, slots) == 0.0    # short chunks
+    assert cuda._chunk_ramp(None, 1, 1, 256, slots) == 0.0     # one chunk
 
 
 def test_cuda_default_chunk_without_a_gpu():

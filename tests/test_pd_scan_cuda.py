@@ -39,6 +39,12 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         j = (step % 256 - 15)[:, None]
         P = torch.arange(N, device="cuda") % 32
         P = torch.where((j >= 1) & (j <= 31) & (P == j), 0, P).expand(S, L, N).contiguous()
+    elif pmode.startswith("collapse"):   # collapse<s>: of each 64 steps, permutations until all go into the first
+        s = int(pmode[8:])               # 32 entries at step s - 1, then random maps
+        perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
+        P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
+        P = torch.where((step % 64 < s - 1)[None, :, None], perm, P)
+        P = torch.where((step % 64 == s - 1)[None, :, None], torch.arange(N, device="cuda") % 32, P)
     elif pmode == "mixed":   # 256-step stretches of random maps and of permutations, in turn
         P = torch.randint(0, N, (S, L, N), device="cuda", generator=g)
         perm = torch.argsort(torch.rand(S, L, N, device="cuda", generator=g), dim=-1)
@@ -56,6 +62,8 @@ def _inputs(S, L, N, cplx, pmode="random", seed=0):
         mag = torch.where(keep, 1.0, mag * torch.where(in_ring, 32 / N, 1 / N)[:, None]).double()
     elif pmode == "chain":   # unit factors on the 32 kept entries, so that the entering state never fades
         mag = torch.where(torch.arange(N, device="cuda") < 32, 1.0, mag).double()
+    elif pmode.startswith("collapse"):   # unit factors until the collapse, so that the entering state stays large
+        mag = torch.where((step % 64 < int(pmode[8:]))[:, None], 1.0, mag).double()
     if cplx:
         D = torch.polar(mag, 2 * math.pi * torch.rand(S, L, N, device="cuda", generator=g, dtype=torch.float64))
         b = torch.randn(S, L, N, device="cuda", generator=g, dtype=torch.complex128)
@@ -127,6 +135,17 @@ def test_warp_repair_matches_reference(pmode, form):
     accuracy."""
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode=pmode, seed=11)
     _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
+
+
+@pytest.mark.parametrize("s", [5, 9, 16, 17])
+@pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
+def test_warp_repair_from_the_collapse_step(form, s):
+    """The log starts at the first step from 5 to 16 at which the chunk's support is down to 32 entries, and the
+    replay stops there: chunks of 64 and 128 steps whose maps permute until step s - 1 and then send every entry
+    into the first 32 (unit factors until then) collapse at step s exactly, and at 17 are replayed in full. A
+    replay and a log that disagree on where one ends double-count or skip the steps between."""
+    P, D, b, x0, _ = _inputs(2, 1000, 128, form != "f32", pmode=f"collapse{s}", seed=23 + s)
+    _check_warp_forward(form, P, D, b, x0, (64, 128), 1e-6)
 
 
 @pytest.mark.parametrize("N", [32, 128])
@@ -214,9 +233,9 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32", "chain"])
 @pytest.mark.parametrize("form", ["bf16", "split_bf16"])
 def test_warp_repair_bf16_rounds_once(pmode, form):
-    """bf16 outputs of repaired chunks (>= 128 steps) are y + c in fp32 rounded once: every element within one bf16
-    rounding (2^-8 relative) of the float64 loop, plus fp32 noise, where adding c to a rounded y could be off by
-    far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
+    """bf16 outputs of repaired chunks (>= 24 steps in one wave, as here; >= 128 over many) are y + c in fp32
+    rounded once: every element within one bf16 rounding (2^-8 relative) of the float64 loop, plus fp32 noise,
+    where adding c to a rounded y could be off by far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
     to the full replay. chain merges its 32 support entries one a step (a merge tree 31 deep)."""
     K = _cuda()
     cplx = form == "split_bf16"
@@ -231,7 +250,7 @@ def test_warp_repair_bf16_rounds_once(pmode, form):
         Dk, bk, x0k = bf(D), bf(b), x0.to(torch.float32)
         x_ref = _naive(P, Dk.double(), bk.double(), x0k.double())
     parts = (lambda t: (t.real, t.imag)) if cplx else (lambda t: (t,))
-    for chunk in (None, 64, 128, 256):
+    for chunk in (None, 32, 64, 128, 256):
         if cplx:
             x = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, x0k, chunk=chunk, algo="warp")
         else:

@@ -210,19 +210,21 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
 
 
 _REPAIR_MIN_T, _REPAIR_MAX_T = 24, 384   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T (a test compares)
-# bf16 replays cost half as much: at 64-step chunks the step-by-step repair ate the saving (session 16); with the
-# flat repair of session 23 a log from 24 steps is faster in one wave but up to 13% slower over many waves, the
-# layer's shapes (docs/bench/kernels.md)
+# bf16 replays cost half as much: over many waves (the layer's shapes) a log for chunks under 128 steps is up to
+# 13% slower, while in one wave it is faster (split bf16, B=32, N=128, L=2048: 0.139 -> 0.116 ms on the H100;
+# docs/bench/kernels.md, sessions 23-24)
 _REPAIR_MIN_T_BF16 = 128
 
 
-def _repair_capacity(code, bwd, bf16, T, N):
-    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full). The kernel
-    logs a chunk whose entering state's support has collapsed to <= 32 entries after 16 steps; a chunk whose log
-    fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
+def _repair_capacity(code, bwd, bf16, T, N, one_wave=False):
+    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full); `one_wave`:
+    the launch's chunks all fit on the GPU at once (bf16 chunks are then logged from 24 steps, else from 128).
+    The kernel logs a chunk whose entering state's support has collapsed to <= 32 entries by step 5 to 16 (the
+    first at which it has); a chunk whose log fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
     leaves 3x room at T=64 (T N / 16 lost 7-10% at L=2048 to fallbacks). At 12 bytes an entry (complex fp32; 20
     with bf16 outputs, whose log also keeps y) that is 0.19x the complex outputs' size."""
-    if bwd or code != _ALGOS["warp"] or not (_REPAIR_MIN_T_BF16 if bf16 else _REPAIR_MIN_T) <= T <= _REPAIR_MAX_T:
+    min_t = _REPAIR_MIN_T_BF16 if bf16 and not one_wave else _REPAIR_MIN_T
+    if bwd or code != _ALGOS["warp"] or not min_t <= T <= _REPAIR_MAX_T:
         return 0
     return T * N // 8
 
@@ -250,15 +252,14 @@ def _chunk_starts_on(L, C, T, r, device):
     return torch.round(L * (u + r * (u * u - u))).to(torch.int32)
 
 
-def _chunk_ramp(bf16, chunk, S, C, T, N, slots):
+def _chunk_ramp(chunk, S, C, T, slots):
     """The warp forward's ramp for a launch of S sequences in C chunks of (default) T steps on `slots` warp slots.
     In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
     furthest; chunks growing along the sequence let the early ones look back and replay while the later ones still
     stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only for default chunks of
-    >= 32 steps in one wave, and only where chunks are logged: a chunk replayed in full would replay its longer
-    steps too (bf16 chunks of 64 steps, L=2048: 3% slower)."""
-    logged = _repair_capacity(_ALGOS["warp"], False, bf16, T, N) > 0
-    if chunk or T < 32 or C < 2 or S * C > slots or not logged:
+    >= 32 steps in one wave, which all keep a repair log (_repair_capacity): a chunk replayed in full would
+    replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower, session 21)."""
+    if chunk or T < 32 or C < 2 or S * C > slots:
         return 0.0
     return _state.get("ramp", _RAMP)
 
@@ -292,11 +293,12 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
-    starts = None
+    starts, one_wave = None, False
     if warp_fwd:
         slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
-        ramp = _chunk_ramp(bool(bf16), chunk, S, C, T, N, slots)
+        ramp = _chunk_ramp(chunk, S, C, T, slots)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
+        one_wave = S * C <= slots
     # tickets, error, flags, and (warp forward) link flags
     counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
@@ -305,7 +307,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
         prof = torch.zeros(S * C, _PROBES, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
-    rcap = _repair_capacity(code, bwd, bf16, T, N)
+    rcap = _repair_capacity(code, bwd, bf16, T, N, one_wave)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
     link = torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
