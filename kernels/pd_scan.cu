@@ -608,12 +608,14 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
   const int e = (N + 31) / 32;
   return e <= 1 ? 1 : e <= 2 ? 2 : e <= 4 ? 4 : 8;
 }
-// The repair: phase 1 logs the entering state's support from the first step kc in [REPAIR_EARLIEST, REPAIR_FROM]
-// at which it has collapsed to <= 32 entries, and the replay stops there (chunks of REPAIR_FROM + 8 to
-// REPAIR_MAX_T steps: a log entry keeps its step in 9 bits). Checking from step 5 rather than at step 16 alone
-// halved the replay and made the forward 0-4% faster (docs/bench/kernels.md, session 24).
+// The repair: phase 1 logs the entering state's support from the first step kc in [REPAIR_EARLIEST, REPAIR_LATEST]
+// (and <= T - 8) at which it has collapsed to <= 32 entries, and the replay stops there (chunks of REPAIR_MIN_T to
+// REPAIR_MAX_T steps: a log entry keeps its step in 9 bits). Until session 23 the check ran at step 16 alone:
+// checking from step 5 halved the replay at N=128 (0-4% faster), and up to step 32 logs the 4-6% of N=256 chunks
+// that collapse later, whose full replays had set the kernel's end (7-30% faster; docs/bench/kernels.md, session 24).
 constexpr int REPAIR_EARLIEST = 5;
-constexpr int REPAIR_FROM = 16;
+constexpr int REPAIR_LATEST = 32;
+constexpr int REPAIR_MIN_T = 24;
 constexpr int REPAIR_MAX_T = 384;
 // flags [M], state [M], support [32] x2, the lanes' segments, mates and factors [32] x3, the merge tree (64
 // segments: head, next, level, factor; 2 counts and padding)
@@ -771,7 +773,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* s_d = reinterpret_cast<A*>(s_key + M);
   A* s_st = s_d + M;
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
-  // the repair's scratch (see REPAIR_FROM)
+  // the repair's scratch (see REPAIR_EARLIEST)
   constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
   // real bf16's phase 1 slowed down with log code that it did not run (docs/bench/kernels.md, sessions 22-23): it
   // runs in two copies of the step loop, with and without the log (see there)
@@ -962,7 +964,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     for (int k = 0; k < n; ++k) step(k, cur, pn, n);
   };
   // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step kc - 1 (the first
-  // such step from REPAIR_EARLIEST - 1 to REPAIR_FROM - 1; random maps: ~2N/t entries after t steps) writes its
+  // such step from REPAIR_EARLIEST - 1 to REPAIR_LATEST - 1; random maps: ~2N/t entries after t steps) writes its
   // zero-state outputs y_t from step kc on in phase 1, and logs where the entering state's part c goes on that support. The support's
   // entries follow their paths; where paths meet they merge into a new segment, so that c at an entry of a step
   // is its segment's c at the segment's start times the factor gathered since (g): the log keeps, per step and
@@ -1197,8 +1199,8 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
           pi[j] = r.link;
         }
       }
-      if (!trk && k >= REPAIR_EARLIEST - 1 && k < REPAIR_FROM && Tc >= REPAIR_FROM + 8)   // until it collapses
-        collapse_check(pi, y, k + 1);
+      if (!trk && k >= REPAIR_EARLIEST - 1 && k < REPAIR_LATEST && k + 8 < Tc && Tc >= REPAIR_MIN_T)
+        collapse_check(pi, y, k + 1);   // until it collapses
     };
     // real bf16: two copies of the step loop, one with the log and one without, so that the log's code stays out
     // of the loop of the chunks that keep none (at L=2048 it ran 12% slower with the code inline but not run);

@@ -138,19 +138,19 @@ def test_cuda_repair_log_capacity_without_a_gpu():
 
 
 def test_cuda_repair_bounds_match_the_kernel_source():
-    """cuda.py's step bounds for logged chunks mirror the kernel's REPAIR_FROM + 8 and REPAIR_MAX_T (read from
+    """cuda.py's step bounds for logged chunks mirror the kernel's REPAIR_MIN_T and REPAIR_MAX_T (read from
     kernels/pd_scan.cu, no GPU): a drift would size logs for chunks the kernel replays in full, or the reverse."""
     import re
     from llm_surgery.ops.pd_scan import cuda
     src = (cuda._source_dir() / "pd_scan.cu").read_text()
     const = {k: int(v) for k, v in re.findall(r"constexpr int (REPAIR_\w+) = (\d+);", src)}
-    assert set(const) == {"REPAIR_EARLIEST", "REPAIR_FROM", "REPAIR_MAX_T"}
-    assert 1 <= const["REPAIR_EARLIEST"] <= const["REPAIR_FROM"]
-    # the kernel's own checks: the collapse check at steps REPAIR_EARLIEST .. REPAIR_FROM of chunks of
-    # REPAIR_FROM + 8 steps or more, the log only up to REPAIR_MAX_T
-    assert "k >= REPAIR_EARLIEST - 1 && k < REPAIR_FROM && Tc >= REPAIR_FROM + 8" in src
+    assert set(const) == {"REPAIR_EARLIEST", "REPAIR_LATEST", "REPAIR_MIN_T", "REPAIR_MAX_T"}
+    assert 1 <= const["REPAIR_EARLIEST"] <= const["REPAIR_LATEST"] < 2 ** 8   # kc keeps 8 bits
+    # the kernel's own checks: the collapse check at steps REPAIR_EARLIEST .. REPAIR_LATEST (and 8 before the
+    # chunk's end) of chunks of REPAIR_MIN_T steps or more, the log only up to REPAIR_MAX_T
+    assert "k >= REPAIR_EARLIEST - 1 && k < REPAIR_LATEST && k + 8 < Tc && Tc >= REPAIR_MIN_T" in src
     assert "a.rcap > 0 && Tc <= REPAIR_MAX_T" in src
-    assert cuda._REPAIR_MIN_T == const["REPAIR_FROM"] + 8
+    assert cuda._REPAIR_MIN_T == const["REPAIR_MIN_T"]
     assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
 
 

@@ -137,15 +137,31 @@ def test_warp_repair_matches_reference(pmode, form):
     _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
 
 
-@pytest.mark.parametrize("s", [5, 9, 16, 17])
+@pytest.mark.parametrize("s", [5, 9, 17, 32, 33])
 @pytest.mark.parametrize("form", ["f32", "c64", "split_f32"])
 def test_warp_repair_from_the_collapse_step(form, s):
-    """The log starts at the first step from 5 to 16 at which the chunk's support is down to 32 entries, and the
+    """The log starts at the first step from 5 to 32 at which the chunk's support is down to 32 entries, and the
     replay stops there: chunks of 64 and 128 steps whose maps permute until step s - 1 and then send every entry
-    into the first 32 (unit factors until then) collapse at step s exactly, and at 17 are replayed in full. A
+    into the first 32 (unit factors until then) collapse at step s exactly, and at 33 are replayed in full. A
     replay and a log that disagree on where one ends double-count or skip the steps between."""
     P, D, b, x0, _ = _inputs(2, 1000, 128, form != "f32", pmode=f"collapse{s}", seed=23 + s)
     _check_warp_forward(form, P, D, b, x0, (64, 128), 1e-6)
+
+
+@pytest.mark.parametrize("s", [12, 24])
+def test_warp_logs_chunks_that_collapse_late(s, monkeypatch):
+    """Every chunk that ran phase 1 and whose support is down to 32 entries by step 32 keeps a log (read from
+    the kernel's clock64 probes: the repair's start). Random maps at N=256 take ~16 steps, and the 4-6% of chunks
+    that took longer while the check stopped at step 16 replayed in full and set the kernel's end."""
+    K = _cuda()
+    P, D, b, x0, _ = _inputs(32, 1024, 128, True, pmode=f"collapse{s}", seed=5)
+    monkeypatch.setitem(K._state, "profile", True)
+    K.pd_scan_fwd_cuda(P, D.to(torch.complex64), b.to(torch.complex64), x0.to(torch.complex64), chunk=64, algo="warp")
+    torch.cuda.synchronize()
+    pr = K._state.pop("last_profile")[0].cpu()
+    slow, logged = pr[:, 6] >= 0, pr[:, 8] >= 0   # ran phase 1 and looked back; repaired from a log
+    assert slow.sum() >= 32, slow.sum()
+    assert logged[slow].all(), f"{int((slow & ~logged).sum())} of {int(slow.sum())} chunks replayed in full"
 
 
 @pytest.mark.parametrize("N", [32, 128])

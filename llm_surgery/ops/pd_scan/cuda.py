@@ -209,7 +209,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
-_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 384   # kernels/pd_scan.cu: REPAIR_FROM + 8 and REPAIR_MAX_T (a test compares)
+_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 384   # kernels/pd_scan.cu: REPAIR_MIN_T and REPAIR_MAX_T (a test compares)
 # bf16 replays cost half as much: over many waves (the layer's shapes) a log for chunks under 128 steps is up to
 # 13% slower, while in one wave it is faster (split bf16, B=32, N=128, L=2048: 0.139 -> 0.116 ms on the H100;
 # docs/bench/kernels.md, sessions 23-24)
@@ -219,8 +219,8 @@ _REPAIR_MIN_T_BF16 = 128
 def _repair_capacity(code, bwd, bf16, T, N, one_wave=False):
     """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full); `one_wave`:
     the launch's chunks all fit on the GPU at once (bf16 chunks are then logged from 24 steps, else from 128).
-    The kernel logs a chunk whose entering state's support has collapsed to <= 32 entries by step 5 to 16 (the
-    first at which it has); a chunk whose log fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
+    The kernel logs a chunk whose entering state's support has collapsed to <= 32 entries by step 5 to 32 (the
+    first at which it has, at most T - 8); a chunk whose log fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
     leaves 3x room at T=64 (T N / 16 lost 7-10% at L=2048 to fallbacks). At 12 bytes an entry (complex fp32; 20
     with bf16 outputs, whose log also keeps y) that is 0.19x the complex outputs' size."""
     min_t = _REPAIR_MIN_T_BF16 if bf16 and not one_wave else _REPAIR_MIN_T
