@@ -21,6 +21,8 @@ import time
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from cuda_timing import median_ms
+
 SRC = r"""
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -122,20 +124,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run_t); }
 """
 
 
-def ms_of(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[len(ts) // 2]
-
-
 def zero_state_chain(P, D, b, r0, T):
     """float64 zero-state chain of the chunk starting at flat row r0 (column scatter)."""
     x = torch.zeros(128, dtype=torch.complex128, device=P.device)
@@ -163,7 +151,7 @@ def main():
     # a copy of the same must-move bytes, for the ceiling
     x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    copy_tbs = 2 * x.numel() / (ms_of(lambda: y.copy_(x)) * 1e-3) / 1e12
+    copy_tbs = 2 * x.numel() / (median_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
     del x, y
     print(f"copy (256 MiB, read + write): {copy_tbs:.2f} TB/s")
     print("| form | mode | ms | must-move TB/s | of copy |")
@@ -183,7 +171,7 @@ def main():
             must = rows * N * 26
         for mode, name in ((0, "stream only"), (1, "L2-red chain, streamed"), (2, "L2-red chain alone")):
             fn = lambda: ext.run(mode, int(bf), P, *ins, *outs, scratch, T, warps)
-            ms = ms_of(fn)
+            ms = median_ms(fn)
             tbs = must / (ms * 1e-3) / 1e12
             print(f"| {form} | {mode}: {name} | {ms:.4f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f}% |", flush=True)
             if mode == 1:   # check three chunks against float64
@@ -208,7 +196,7 @@ def main():
             f = lambda: K.pd_scan_fwd_cuda_split(P.view(S, L, N), *[t.view(S, L, N) for t in ins], algo="warp")
         else:
             f = lambda: K.pd_scan_fwd_cuda(P.view(S, L, N), D.view(S, L, N), b.view(S, L, N), algo="warp")
-        ms = ms_of(f)
+        ms = median_ms(f)
         tbs = must / (ms * 1e-3) / 1e12
         print(f"| {form} | pd_scan warp forward (whole kernel) | {ms:.4f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f}% |", flush=True)
 

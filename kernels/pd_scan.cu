@@ -963,17 +963,17 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     steps_begin(n);
     for (int k = 0; k < n; ++k) step(k, cur, pn, n);
   };
-  // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step kc - 1 (the first
-  // such step from REPAIR_EARLIEST - 1 to REPAIR_LATEST - 1; random maps: ~2N/t entries after t steps) writes its
-  // zero-state outputs y_t from step kc on in phase 1, and logs where the entering state's part c goes on that support. The support's
-  // entries follow their paths; where paths meet they merge into a new segment, so that c at an entry of a step
-  // is its segment's c at the segment's start times the factor gathered since (g): the log keeps, per step and
-  // support entry, the step, the position, the segment and g (bf16 outputs: and y there, in fp32), and a merge
-  // tree in shared memory keeps which segments merged into which with which factors. After the look-back, 3.
-  // replays only the first kc steps, evaluates the tree a level at a time (a few dozen segments), and
-  // then adds c to every logged entry at once (no input is read twice, and no chain runs through the steps: the
-  // step-by-step repair cost ~80k cycles a chunk, each step a chain of shuffles queued behind the other warps').
-  // A log that fills up (a.rcap entries) sends the chunk back to the full replay.
+  // The repair. A chunk whose composed map has collapsed onto at most 32 entries by step kc - 1 (the first such step
+  // from REPAIR_EARLIEST - 1 to REPAIR_LATEST - 1; random maps: ~2N/t entries after t steps) writes its zero-state
+  // outputs y_t from step kc on in phase 1, and logs where the entering state's part c goes on that support. The
+  // support's entries follow their paths; where paths meet they merge into a new segment, so that c at an entry of a
+  // step is its segment's c at the segment's start times the factor gathered since (g): the log keeps, per step and
+  // support entry, the step, the position, the segment and g (bf16 outputs: and y there, in fp32), and a merge tree
+  // in shared memory keeps which segments merged into which with which factors. After the look-back, 3. replays only
+  // the first kc steps, evaluates the tree a level at a time (a few dozen segments), and then adds c to every logged
+  // entry at once (no input is read twice, and no chain runs through the steps: the step-by-step repair cost ~80k
+  // cycles a chunk, each step a chain of shuffles queued behind the other warps'). A log that fills up (a.rcap
+  // entries) sends the chunk back to the full replay.
   // lg = the log's length << 16 | kc << 8 | the support's size at the check; lg > 0: the chunk is logged
   int lg = 0;
   // Image tracking. Once the chunk's composed map has collapsed onto <= 32 entries (the check after step

@@ -219,10 +219,12 @@ _REPAIR_MIN_T_BF16 = 128
 def _repair_capacity(code, bwd, bf16, T, N, one_wave=False):
     """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full); `one_wave`:
     the launch's chunks all fit on the GPU at once (bf16 chunks are then logged from 24 steps, else from 128).
-    The kernel logs a chunk whose entering state's support has collapsed to <= 32 entries by step 5 to 32 (the
-    first at which it has, at most T - 8); a chunk whose log fills up falls back to the full replay. Random maps keep ~2N/t entries at step t, ~2N ln(T/16) in all: T N / 8
-    leaves 3x room at T=64 (T N / 16 lost 7-10% at L=2048 to fallbacks). At 12 bytes an entry (complex fp32; 20
-    with bf16 outputs, whose log also keeps y) that is 0.19x the complex outputs' size."""
+    The kernel logs a chunk from the first step kc in 5..32 (at most T - 8) at which its entering state's support
+    has collapsed to <= 32 entries; a chunk whose log fills up falls back to the full replay. Random maps keep
+    ~2N/t entries at step t (kc ~ N/16), ~2N ln(T/kc) in all: T N / 8 leaves ~2x room at T=64 (T N / 16 lost
+    7-10% at L=2048 to fallbacks; session 24's earlier kc left the logged share at N = 32-256 as it was). At 12
+    bytes an entry (complex fp32; 20 with bf16 outputs, whose log also keeps y) that is 0.19x the complex
+    outputs' size."""
     min_t = _REPAIR_MIN_T_BF16 if bf16 and not one_wave else _REPAIR_MIN_T
     if bwd or code != _ALGOS["warp"] or not min_t <= T <= _REPAIR_MAX_T:
         return 0
