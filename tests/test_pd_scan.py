@@ -234,10 +234,13 @@ def test_cuda_default_chunk_without_a_gpu():
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
 
     assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
-    assert chunk(32, 100, 128, warp) == 8 and chunk(32, 512, 128, warp) == 16
-    assert chunk(1, 16384, 128, warp) == 16          # too few warps per SM: shorter chunks
+    assert chunk(32, 100, 128, warp) == 8 and chunk(32, 256, 128, warp) == 16   # >= 3.5 warps an SM
+    assert chunk(32, 512, 128, warp) == 32 and chunk(16, 512, 128, warp) == 16  # 32 steps where that leaves them
+    assert chunk(1, 16384, 128, warp) == 64 and chunk(4, 4096, 128, warp) == 64   # few warps: down to 64 steps
     # 32 x 64 chunks of 128 steps overflow 132 x 14 resident warps; 32 x 32 of 256 steps fit one wave
     assert chunk(32, 8192, 128, warp) == 256 and chunk(16, 8192, 128, warp) == 128
+    assert chunk(256, 1024, 32, warp) == 256 and chunk(512, 512, 32, warp) == 256   # many sequences: one wave
+    assert chunk(4096, 4096, 32, warp) == 128        # no chunk of <= 256 steps makes one wave: ~L/32
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB

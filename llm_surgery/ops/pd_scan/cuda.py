@@ -191,15 +191,23 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB. Warp
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
-    longer chunks shorten the look-back, shorter ones put more warps on an SM; chunk sweep in
-    docs/bench/kernels.md), halved down to 16 while there are fewer than 4 warps per SM, and doubled to 256 when
-    that lets the chunks run in one wave of the warps the SMs hold (a second, partial wave costs a chunk's time)."""
+    longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
+    of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
+    chunk a warp slot, each long enough to keep a repair log); where it leaves fewer than 3.5 warps an SM, halved
+    down to 64 steps; and raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over
+    B = 1-2048 sequences and L = 128-16384 (docs/bench/kernels.md, session 24) put the best chunk there, or
+    within 10% of it, at every measured shape."""
     if not bwd and algo == _ALGOS["warp"]:
+        slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        chunks = lambda t: S * -(-L // t)
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
-        while T > 16 and S * -(-L // T) < 4 * sms:
+        if chunks(T) > slots:
+            fit = [t for t in (16, 32, 64, 128, 256) if t > T and chunks(t) <= slots]
+            return fit[0] if fit else T
+        while T > 64 and 2 * chunks(T) < 7 * sms:
             T //= 2
-        if T == 128 and S * -(-L // T) > sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N) >= S * -(-L // 256):
-            T = 256
+        while T < 32 and 2 * chunks(2 * T) >= 7 * sms:
+            T *= 2
         return T
     T = 16
     while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
