@@ -206,12 +206,13 @@ def test_cuda_chunk_ramp_policy_without_a_gpu():
     wave (and so have a repair log); not a caller's chunk, two waves, short chunks, or one chunk."""
     from llm_surgery.ops.pd_scan import cuda
     r, slots = cuda._RAMP, 132 * 16
-    assert cuda._chunk_ramp(None, 32, 64, 256, slots) == r     # B=32, L=16384
-    assert cuda._chunk_ramp(None, 32, 32, 64, slots) == r      # B=32, L=2048
-    assert cuda._chunk_ramp(256, 32, 64, 256, slots) == 0.0    # the caller's chunk
-    assert cuda._chunk_ramp(None, 64, 64, 256, slots) == 0.0   # two waves
-    assert cuda._chunk_ramp(None, 32, 32, 16, slots) == 0.0    # short chunks
-    assert cuda._chunk_ramp(None, 1, 1, 256, slots) == 0.0     # one chunk
+    ramp = lambda chunk, S, C, T: cuda._chunk_ramp(chunk, C, T, S * C <= slots)
+    assert ramp(None, 32, 64, 256) == r     # B=32, L=16384
+    assert ramp(None, 32, 32, 64) == r      # B=32, L=2048
+    assert ramp(256, 32, 64, 256) == 0.0    # the caller's chunk
+    assert ramp(None, 64, 64, 256) == 0.0   # two waves
+    assert ramp(None, 32, 32, 16) == 0.0    # short chunks
+    assert ramp(None, 1, 1, 256) == 0.0     # one chunk
 
 
 def test_cuda_default_chunk_without_a_gpu():

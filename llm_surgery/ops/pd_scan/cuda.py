@@ -262,14 +262,15 @@ def _chunk_starts_on(L, C, T, r, device):
     return torch.round(L * (u + r * (u * u - u))).to(torch.int32)
 
 
-def _chunk_ramp(chunk, S, C, T, slots):
-    """The warp forward's ramp for a launch of S sequences in C chunks of (default) T steps on `slots` warp slots.
+def _chunk_ramp(chunk, C, T, one_wave):
+    """The warp forward's ramp for a launch in C chunks a sequence of (default) T steps; `one_wave`: every chunk
+    of the launch has a warp slot at once.
     In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
     furthest; chunks growing along the sequence let the early ones look back and replay while the later ones still
     stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only for default chunks of
     >= 32 steps in one wave, which all keep a repair log (_repair_capacity): a chunk replayed in full would
     replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower, session 21)."""
-    if chunk or T < 32 or C < 2 or S * C > slots:
+    if chunk or T < 32 or C < 2 or not one_wave:
         return 0.0
     return _state.get("ramp", _RAMP)
 
@@ -305,10 +306,9 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     starts, one_wave = None, False
     if warp_fwd:
-        slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
-        ramp = _chunk_ramp(chunk, S, C, T, slots)
+        one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        ramp = _chunk_ramp(chunk, C, T, one_wave)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
-        one_wave = S * C <= slots
     # tickets, error, flags, and (warp forward) link flags
     counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
