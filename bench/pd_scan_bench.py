@@ -324,6 +324,13 @@ def profiled_launch(fn):
     return pr.cpu().double(), C, T
 
 
+def probe_forward(kind, S, L, N, chunk=None, algo="warp"):
+    """The forward's clock64 probes on one fresh input set, after a warm-up call: (probes, C, T) as profiled_launch."""
+    s = inputs_for(kind, S, L, N, 1)[0]
+    fwd_fn(kind, s, chunk, algo)()
+    return profiled_launch(fwd_fn(kind, s, chunk, algo))
+
+
 def chunk_phases(pr):
     """Per chunk, from its probes (start, staged, aggregate out, look-back found, entering state, end, look-back
     distance, SM, repair start): cycles of its life and of each phase. `slow` marks the chunks that ran phase 1 and
@@ -497,9 +504,7 @@ def main():
                                 [("warp", "split_bf16", 128, None)] + \
                                 [("warp", "c64", 16384, T) for T in (16, 32, 64)] + \
                                 [("block", k, L, None) for k in ("c64", "split_bf16") for L in (2048, 16384)]:
-            s = inputs_for(kind, S, L, N, 1)[0]
-            fwd_fn(kind, s, T, algo)()
-            pr, C, TT = profiled_launch(fwd_fn(kind, s, T, algo))
+            pr, C, TT = probe_forward(kind, S, L, N, T, algo)
             ph = chunk_phases(pr)
             slow = ph["slow"]
             f = lambda v: f"{v.mean().item():.0f}" if v.numel() else "-"

@@ -7,7 +7,7 @@ usage: PYTHONPATH=.:bench python bench/pd_scan_phases.py NAME [L,L,...] [form,fo
 """
 import sys
 
-from pd_scan_bench import chunk_phases, fwd_fn, inputs_for, profiled_launch
+from pd_scan_bench import chunk_phases, probe_forward
 
 S, N = 32, 128
 name = sys.argv[1] if len(sys.argv) > 1 else "cur"
@@ -15,9 +15,7 @@ Ls = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [8192, 1
 kinds = sys.argv[3].split(",") if len(sys.argv) > 3 else ["c64", "split_f32", "split_bf16", "f32", "bf16"]
 for L in Ls:
     for kind in kinds:
-        f = fwd_fn(kind, inputs_for(kind, S, L, N, 1)[0], None, "warp")
-        f()
-        pr, C, T = profiled_launch(f)
+        pr, C, T = probe_forward(kind, S, L, N)
         ph = chunk_phases(pr)
         sl, lg = ph["slow"], ph["logged"]
         m = lambda v: f"{v.double().mean().item():8.0f}" if v.numel() else "       -"

@@ -1,17 +1,19 @@
-"""The warp forward at many shapes (sequences x L, N): its default chunk and time per form, optionally explicit
-chunks beside it, and the share of chunks the repair log took (clock64 probes). Why: the default chunk policy
-(cuda._default_chunk) and the collapse check's window were chosen from these tables (docs/bench/kernels.md,
-session 24); run it at two commits to compare them.
+"""The warp forward at many shapes (sequences x L, N): its default chunk and time per form (ms per call, CUDA
+graph, as pd_scan_bench.py times), optionally explicit chunks beside it, and the share of chunks the repair log
+took (clock64 probes). Why: policies that depend on the launch's shape were chosen from these tables
+(docs/bench/kernels.md): which chunks keep a repair log (session 23, `--set layer`), the default chunk and the
+collapse check's window (session 24, `--set policy`, `--set n256`). Run it at two commits, or in two kernel_ab
+variants' trees with `--name`, to compare them.
 
-    PYTHONPATH=.:bench python bench/pd_scan_shapes_chunks.py [--set policy|n256] [--chunks 8,16,32,64,128,256]
-                                                             [--kinds c64,split_bf16,bf16] [--logged]
+    PYTHONPATH=.:bench python bench/pd_scan_shapes_chunks.py [--set policy|n256|layer] [--chunks 8,16,32,64,128,256]
+                                                             [--kinds c64,split_bf16,bf16] [--logged] [--name cur]
 """
 import argparse
 
 import torch
 
 from llm_surgery.ops.pd_scan import cuda as K
-from pd_scan_bench import chunk_phases, fwd_fn, inputs_for, profiled_launch, time_kind
+from pd_scan_bench import chunk_phases, probe_forward, time_kind
 
 SETS = {
     # few sequences, B=32 at short L, many short sequences, the layer's shapes, and N = 16 / 256
@@ -21,6 +23,8 @@ SETS = {
                (2048, 128, 32), (2048, 2048, 16), (32, 4096, 256), (8, 1024, 128), (4, 256, 256)],
     # the collapse check's window: N=256 chunks collapse after ~16 steps
     "n256": [(32, 2048, 256), (32, 8192, 256), (32, 16384, 256), (32, 16384, 128)],
+    # the layer's shapes (many sequences, small N, many waves) and B=32, N=128 (one wave)
+    "layer": [(512, 1024, 32), (512, 2048, 32), (512, 4096, 32), (256, 2048, 64), (32, 1024, 128), (32, 2048, 128)],
 }
 FORMS = {"c64": K._CPLX, "split_f32": K._SPLIT, "split_bf16": K._SPLIT, "f32": K._REAL, "bf16": K._REAL}
 
@@ -31,6 +35,7 @@ def main():
     ap.add_argument("--chunks", default="", help="explicit chunk lengths timed beside the default (comma list)")
     ap.add_argument("--kinds", default="c64,split_bf16,bf16")
     ap.add_argument("--logged", action="store_true", help="also the logged share and replay cycles (default chunk)")
+    ap.add_argument("--name", default="", help="a label in front of every row (e.g. a kernel_ab variant's name)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms, warp forward")
@@ -38,14 +43,14 @@ def main():
         for kind in args.kinds.split(","):
             T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), False, S, L, N, sms,
                                  K._ALGOS["warp"])
-            row = [f"{kind:10s} S={S:4d} L={L:5d} N={N:3d}", f"default T={T} {time_kind(kind, S, L, N, algo='warp')[0]:.4f}"]
+            label = f"{args.name} " if args.name else ""
+            row = [f"{label}{kind:10s} S={S:4d} L={L:5d} N={N:3d}",
+                   f"default T={T} {time_kind(kind, S, L, N, algo='warp')[0]:.4f}"]
             for t in [int(v) for v in args.chunks.split(",") if v]:
                 if t <= L:
                     row.append(f"T={t} {time_kind(kind, S, L, N, chunk=t, algo='warp')[0]:.4f}")
             if args.logged:
-                f = fwd_fn(kind, inputs_for(kind, S, L, N, 1)[0], None, "warp")
-                f()
-                ph = chunk_phases(profiled_launch(f)[0])
+                ph = chunk_phases(probe_forward(kind, S, L, N)[0])
                 slow = ph["slow"]
                 row.append(f"logged {100 * ph['logged'][slow].double().mean().item():.0f}% of phase-1 chunks, "
                            f"replay {ph['replay'].double().mean().item():.0f} cycles, "
