@@ -5,7 +5,8 @@ took (clock64 probes). Why: policies that depend on the launch's shape were chos
 collapse check's window (session 24, `--set policy`, `--set n256`). Run it at two commits, or in two kernel_ab
 variants' trees with `--name`, to compare them.
 
-    PYTHONPATH=.:bench python bench/pd_scan_shapes_chunks.py [--set policy|n256|layer] [--chunks 8,16,32,64,128,256]
+    PYTHONPATH=.:bench python bench/pd_scan_shapes_chunks.py [--set policy|n256|layer | --shapes S:L:N,...]
+                                                             [--chunks 8,16,32,64,128,256]
                                                              [--kinds c64,split_bf16,bf16] [--logged] [--name cur]
 """
 import argparse
@@ -32,6 +33,7 @@ FORMS = {"c64": K._CPLX, "split_f32": K._SPLIT, "split_bf16": K._SPLIT, "f32": K
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", default="policy", choices=sorted(SETS))
+    ap.add_argument("--shapes", default="", help="S:L:N,... in place of --set's shapes")
     ap.add_argument("--chunks", default="", help="explicit chunk lengths timed beside the default (comma list)")
     ap.add_argument("--kinds", default="c64,split_bf16,bf16")
     ap.add_argument("--logged", action="store_true", help="also the logged share and replay cycles (default chunk)")
@@ -39,7 +41,8 @@ def main():
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms, warp forward")
-    for S, L, N in SETS[args.set]:
+    shapes = [tuple(int(v) for v in t.split(":")) for t in args.shapes.split(",")] if args.shapes else SETS[args.set]
+    for S, L, N in shapes:
         for kind in args.kinds.split(","):
             T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), False, S, L, N, sms,
                                  K._ALGOS["warp"])
