@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   int* head = reinterpret_cast<int*>(smem);                     // [2][M]: byte offset of a list's first slot
   constexpr int slots_at = 2 * M * 4;
   Slot* slots = reinterpret_cast<Slot*>(smem + slots_at);       // [2][M]
-  Slot* rows = slots + 2 * M;                                   // [2][M]: phase 1's gathers P_k[pi], D_k[pi]
+  Slot* rows = slots + 2 * M;   // [2][M]: phase 1's gathers P_k[pi], D_k[pi] (bf16: packed, see put_row)
   // after phase 1, the rows' space is scratch for the sorted aggregate and its applications
   int* s_cnt = reinterpret_cast<int*>(rows);                    // [M] counts, then (aliased) res
   A* s_res = reinterpret_cast<A*>(rows);
@@ -1176,16 +1176,40 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
+    // phase 1's row {D_k, P_k} of entry i in parity rp. bf16 inputs keep D's bf16 bits (exact), so a row takes 8
+    // bytes (split) or 4 (real) where a {D, P} slot takes 16 or 8: the rows' stores and gathers cost half the
+    // shared-memory wavefronts (split bf16 3-4% faster, real bf16 ~2%; docs/bench/kernels.md, session 25)
+    auto put_row = [&](int rp, int i, A dv, int p) {
+      if constexpr (sizeof(In) == 2 && K == SPLIT)
+        reinterpret_cast<uint2*>(rows)[rp * M + i] =
+            make_uint2(__byte_perm(__float_as_uint(dv.x), __float_as_uint(dv.y), 0x7632), p);
+      else if constexpr (sizeof(In) == 2)
+        reinterpret_cast<unsigned*>(rows)[rp * M + i] = (__float_as_uint(dv) & 0xffff0000u) | static_cast<unsigned>(p);
+      else put_slot(rows + rp * M + i, dv, p);
+    };
+    auto get_row = [&](int rp, int i) -> Slot {
+      Slot r;
+      if constexpr (sizeof(In) == 2 && K == SPLIT) {
+        const uint2 u = reinterpret_cast<const uint2*>(rows)[rp * M + i];
+        r.v = make_float2(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u));
+        r.link = static_cast<int>(u.y);
+      } else if constexpr (sizeof(In) == 2) {
+        const unsigned u = reinterpret_cast<const unsigned*>(rows)[rp * M + i];
+        r.v = __uint_as_float(u & 0xffff0000u);
+        r.link = static_cast<int>(u & 0xffffu);
+      } else r = rows[rp * M + i];
+      return r;
+    };
     auto p1_step = [&](int k, StepIn& cur, int (&pn)[E], int n, auto logging) {
-      Slot* rw = rows + par * M;   // the parity scatter_step is about to use: its __syncwarp covers these
+      const int rp = par;   // the parity scatter_step is about to use: its __syncwarp covers these rows
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        put_slot(rw + lane + 32 * j, cur.d[j], cur.p[j]);
+        put_row(rp, lane + 32 * j, cur.d[j], cur.p[j]);
         val[j] = cmul(cur.d[j], y[j]);
       }
       scatter_step(val, cur, y, pn, k, n);
       if (trk) {
-        const Slot r = rw[tpos];
+        const Slot r = get_row(rp, tpos);
         tf = cmul(r.v, tf);
         tpos = r.link;
         if constexpr (decltype(logging)::value) {
@@ -1194,7 +1218,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       } else {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-          const Slot r = rw[pi[j]];
+          const Slot r = get_row(rp, pi[j]);
           d[j] = cmul(r.v, d[j]);
           pi[j] = r.link;
         }
