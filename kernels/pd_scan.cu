@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
 // a few destinations), so it is published with its sources sorted by destination, and applying it is a
 // segmented sum across the warp: constant work however many entries merge (a list walk would be serial).
 template <typename A>
-struct alignas(2 * sizeof(A)) WarpSlot {   // list slot {w, link} or phase 1 row {D_k, P_k}
+struct alignas(2 * sizeof(A)) WarpSlot {   // list slot {w, link} or phase 1 row {D_k, P_k} (fp32 inputs)
   A v;
   int link;
 };
