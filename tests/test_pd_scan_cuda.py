@@ -251,8 +251,9 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
 def test_warp_repair_bf16_rounds_once(pmode, form):
     """bf16 outputs of repaired chunks (>= 24 steps in one wave, as here; >= 128 over many) are y + c in fp32
     rounded once: every element within one bf16 rounding (2^-8 relative) of the float64 loop, plus fp32 noise,
-    where adding c to a rounded y could be off by far more after cancellation. ring32 keeps a support of 32 entries: its log fills up and the chunk falls back
-    to the full replay. chain merges its 32 support entries one a step (a merge tree 31 deep)."""
+    where adding c to a rounded y could be off by far more after cancellation. ring32 keeps a support of 32
+    entries: its log fills up and the chunk falls back to the full replay. chain merges its 32 support entries one
+    a step (a merge tree 31 deep)."""
     K = _cuda()
     cplx = form == "split_bf16"
     P, D, b, x0, _ = _inputs(2, 1500, 128, cplx, pmode=pmode, seed=13)
