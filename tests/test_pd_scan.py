@@ -237,7 +237,9 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
     assert chunk(32, 100, 128, warp) == 8 and chunk(32, 256, 128, warp) == 16   # >= 3.5 warps an SM
     assert chunk(32, 512, 128, warp) == 32 and chunk(16, 512, 128, warp) == 16  # 32 steps where that leaves them
-    assert chunk(1, 16384, 128, warp) == 64 and chunk(4, 4096, 128, warp) == 64   # few warps: down to 64 steps
+    assert chunk(1, 8192, 128, warp) == 64 and chunk(4, 4096, 128, warp) == 64   # few warps: down to 64 steps
+    assert chunk(1, 16384, 128, warp) == 128 and chunk(2, 16384, 128, warp) == 128   # ... not past 128 a sequence
+    assert chunk(1, 32768, 128, warp) == 128 and chunk(1, 65536, 128, warp) == 256   # and up to 256 a sequence
     # 32 x 64 chunks of 128 steps overflow 132 x 14 resident warps; 32 x 32 of 256 steps fit one wave
     assert chunk(32, 8192, 128, warp) == 256 and chunk(16, 8192, 128, warp) == 128
     assert chunk(256, 1024, 32, warp) == 256 and chunk(512, 512, 32, warp) == 256   # many sequences: one wave

@@ -194,9 +194,12 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
     of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
     chunk a warp slot, each long enough to keep a repair log); where it leaves fewer than 3.5 warps an SM, halved
-    down to 64 steps; and raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over
-    B = 1-2048 sequences and L = 128-16384 (docs/bench/kernels.md, session 24) put the best chunk there, or
-    within 10% of it, at every measured shape."""
+    down to 64 steps while that leaves at most 128 chunks a sequence; doubled up to 256 steps while a sequence
+    has more than 256 (its look-back grows with its chunks: on the H100, 1-2 sequences of L=16384 take 10-16%
+    less time in 128-step chunks than in 64, one of L=65536 7-13% less in 256 than in 128; session 26); and
+    raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over B = 1-2048 sequences
+    and L = 128-65536 (docs/bench/kernels.md, sessions 24 and 26) put the best chunk there, or within 10% of it,
+    at every measured shape."""
     if not bwd and algo == _ALGOS["warp"]:
         slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
         chunks = lambda t: S * -(-L // t)
@@ -204,8 +207,10 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
         if chunks(T) > slots:
             fit = [t for t in (16, 32, 64, 128, 256) if t > T and chunks(t) <= slots]
             return fit[0] if fit else T
-        while T > 64 and 2 * chunks(T) < 7 * sms:
+        while T > 64 and 2 * chunks(T) < 7 * sms and -(-L // (T // 2)) <= 128:
             T //= 2
+        while T < 256 and -(-L // T) > 256:
+            T *= 2
         while T < 32 and 2 * chunks(2 * T) >= 7 * sms:
             T *= 2
         return T
