@@ -519,7 +519,6 @@ def main():
                 f"{f(ph['replay'])} | {f(ph['repair'][ph['logged']])} ({100 * ph['logged'].float().mean().item():.0f}) | "
                 f"{f(ph['life'])} | "
                 f"{f(pr[slow, 6])}/{pr[:, 6].max().item():.0f} | {sum(alive) / max(1, len(alive)):.1f} |")
-            del s
     if "b192" not in skip:
         say("\n## the paper's bandwidth setting: B=192, N=128, forward. Must-move fraction of D2D, and the paper's "
             "'algorithmic' bandwidth (inputs counted twice, as its three-kernel design streams them) as a fraction "

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=4, help="layers to insert per host (default 4)")
     args = ap.parse_args(argv)
     print(markdown(parameter_rows(args.n), args.n))
-    print(f"\nShare = inserted / (host + inserted). Default options: llm_surgery.layers.registry.default_options.")
+    print("\nShare = inserted / (host + inserted). Default options: llm_surgery.layers.registry.default_options.")
 
 
 if __name__ == "__main__":
