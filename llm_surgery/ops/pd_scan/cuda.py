@@ -196,7 +196,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     chunk a warp slot, each long enough to keep a repair log); where it leaves fewer than 3.5 warps an SM, halved
     down to 64 steps while that leaves at most 128 chunks a sequence; doubled up to 256 steps while a sequence
     has more than 256 (its look-back grows with its chunks: on the H100, 1-2 sequences of L=16384 take 10-16%
-    less time in 128-step chunks than in 64, one of L=65536 7-13% less in 256 than in 128; session 26); and
+    less time in 128-step chunks than in 64, one of L=65536 11-16% less in 256 than in 128; session 26); and
     raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over B = 1-2048 sequences
     and L = 128-65536 (docs/bench/kernels.md, sessions 24 and 26) put the best chunk there, or within 10% of it,
     at every measured shape."""
