@@ -39,7 +39,7 @@ def main():
     print("|---|---|" + "---|" * (len(ramps) + 1))
     for kind in args.kinds.split(","):
         kd, bf16 = FORMS[kind]
-        slots = prop.multi_processor_count * K._warp_blocks_per_sm(K._module(), kd, bf16, N)
+        slots = K._warp_slots(K._module(), kd, bool(bf16), N, prop.multi_processor_count)
         for L in map(int, args.L.split(",")):
             cells = []
             for r in ramps:

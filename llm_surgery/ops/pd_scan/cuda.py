@@ -181,10 +181,11 @@ def _algo_code(algo, N, bwd):
 
 
 @functools.lru_cache(maxsize=None)
-def _warp_blocks_per_sm(ext, kind, bf16, N):
-    """Warps of the warp forward kernel one SM holds (the CUDA occupancy API), asked once per kernel variant
-    rather than on every call."""
-    return ext.warp_blocks_per_sm(kind, int(bf16), N)
+def _warp_slots(ext, kind, bf16, N, sms):
+    """Warps of the warp forward kernel the GPU holds at once: `sms` times what one SM holds (the CUDA occupancy
+    API), asked once per kernel variant rather than on every call. The chunk policy and the launch's one-wave
+    decision (ramp, repair log) both count against it."""
+    return sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
 
 
 def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
@@ -201,7 +202,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     and L = 128-65536 (docs/bench/kernels.md, sessions 24 and 26) put the best chunk there, or within 10% of it,
     at every measured shape."""
     if not bwd and algo == _ALGOS["warp"]:
-        slots = sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        slots = _warp_slots(ext, kind, bool(bf16), N, sms)
         chunks = lambda t: S * -(-L // t)
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         if chunks(T) > slots:
@@ -311,7 +312,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     starts, one_wave = None, False
     if warp_fwd:
-        one_wave = S * C <= sms * _warp_blocks_per_sm(ext, kind, bool(bf16), N)
+        one_wave = S * C <= _warp_slots(ext, kind, bool(bf16), N, sms)
         ramp = _chunk_ramp(chunk, C, T, one_wave)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, error, flags, and (warp forward) link flags
