@@ -610,13 +610,14 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
 }
 // The repair: phase 1 logs the entering state's support from the first step kc in [REPAIR_EARLIEST, REPAIR_LATEST]
 // (and <= T - 8) at which it has collapsed to <= 32 entries, and the replay stops there (chunks of REPAIR_MIN_T to
-// REPAIR_MAX_T steps: a log entry keeps its step in 9 bits). Until session 23 the check ran at step 16 alone:
+// REPAIR_MAX_T steps: a log entry keeps its step, 0-511, in 9 bits; 384 until session 27, whose many-wave chunks run
+// up to 512). Until session 23 the check ran at step 16 alone:
 // checking from step 5 halved the replay at N=128 (0-4% faster), and up to step 32 logs the 4-6% of N=256 chunks
 // that collapse later, whose full replays had set the kernel's end (7-30% faster; docs/bench/kernels.md, session 24).
 constexpr int REPAIR_EARLIEST = 5;
 constexpr int REPAIR_LATEST = 32;
 constexpr int REPAIR_MIN_T = 24;
-constexpr int REPAIR_MAX_T = 384;
+constexpr int REPAIR_MAX_T = 512;
 // flags [M], state [M], support [32] x2, the lanes' segments, mates and factors [32] x3, the merge tree (64
 // segments: head, next, level, factor; 2 counts and padding)
 __host__ __device__ __forceinline__ int warp_repair_bytes(int M, int asize) {

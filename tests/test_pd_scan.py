@@ -120,15 +120,16 @@ def test_cuda_forward_kernel_policy_without_a_gpu():
 
 
 def test_cuda_repair_log_capacity_without_a_gpu():
-    """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..384 steps (bf16 over many
-    waves: 128..384), else none."""
+    """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..512 steps (bf16 over many
+    waves: 128..512), else none."""
     from llm_surgery.ops.pd_scan import cuda
 
     warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
     assert cuda._repair_capacity(warp, False, False, 128, 128) == 2048
     assert cuda._repair_capacity(warp, False, False, 24, 16) == 48
     assert cuda._repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
-    assert cuda._repair_capacity(warp, False, False, 512, 128) == 0    # past the kernel's step table
+    assert cuda._repair_capacity(warp, False, False, 512, 128) == 8192  # steps 0..511: 9 bits of a log word
+    assert cuda._repair_capacity(warp, False, False, 513, 128) == 0    # past the kernel's step field
     assert cuda._repair_capacity(warp, False, True, 256, 128) == 4096  # bfloat16 outputs: long chunks only
     assert cuda._repair_capacity(warp, False, True, 64, 128) == 0      # over many waves
     assert cuda._repair_capacity(warp, False, True, 64, 128, one_wave=True) == 1024   # in one wave: from 24 steps
@@ -203,7 +204,8 @@ def test_cuda_chunk_tables_without_a_gpu():
 
 def test_cuda_chunk_ramp_policy_without_a_gpu():
     """Which warp-forward launches get growing chunks (pure Python): default chunks of >= 32 steps that fit one
-    wave (and so have a repair log); not a caller's chunk, two waves, short chunks, or one chunk."""
+    wave (and so have a repair log); not a caller's chunk, two waves, short chunks, one chunk, or chunks whose
+    ramped length could pass the repair log's cap."""
     from llm_surgery.ops.pd_scan import cuda
     r, slots = cuda._RAMP, 132 * 16
     ramp = lambda chunk, S, C, T: cuda._chunk_ramp(chunk, C, T, S * C <= slots)
@@ -213,6 +215,8 @@ def test_cuda_chunk_ramp_policy_without_a_gpu():
     assert ramp(None, 64, 64, 256) == 0.0   # two waves
     assert ramp(None, 32, 32, 16) == 0.0    # short chunks
     assert ramp(None, 1, 1, 256) == 0.0     # one chunk
+    assert ramp(None, 192, 11, 373) == r    # B=192, L=4096: 1.1 x 373 steps keep a log
+    assert ramp(None, 64, 33, 497) == 0.0   # B=64, L=16384: 1.1 x 497 would not
 
 
 def test_cuda_default_chunk_without_a_gpu():
@@ -234,7 +238,7 @@ def test_cuda_default_chunk_without_a_gpu():
     def chunk(S, L, N, algo, bwd=False, per=20):
         return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
 
-    assert chunk(32, 2048, 128, warp) == 64 and chunk(32, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
+    assert chunk(32, 2048, 128, warp) == 64 and chunk(8, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
     assert chunk(32, 100, 128, warp) == 8 and chunk(32, 256, 128, warp) == 16   # >= 3.5 warps an SM
     assert chunk(32, 512, 128, warp) == 32 and chunk(16, 512, 128, warp) == 16  # 32 steps where that leaves them
     assert chunk(1, 8192, 128, warp) == 64 and chunk(4, 4096, 128, warp) == 64   # few warps: down to 64 steps
@@ -243,7 +247,12 @@ def test_cuda_default_chunk_without_a_gpu():
     # 32 x 64 chunks of 128 steps overflow 132 x 14 resident warps; 32 x 32 of 256 steps fit one wave
     assert chunk(32, 8192, 128, warp) == 256 and chunk(16, 8192, 128, warp) == 128
     assert chunk(256, 1024, 32, warp) == 256 and chunk(512, 512, 32, warp) == 256   # many sequences: one wave
-    assert chunk(4096, 4096, 32, warp) == 128        # no chunk of <= 256 steps makes one wave: ~L/32
+    # no chunk of <= 256 steps makes one wave: the fewest whole waves of chunks of <= 512 steps (the repair log's
+    # cap), spread evenly: 32 x 57 chunks of 288 steps in one wave of 132 x 14; 192 x 38 chunks of 432 in four
+    assert chunk(32, 16384, 128, warp) == 288 and chunk(192, 16384, 128, warp) == 432
+    assert chunk(8192, 300, 64, warp) == 300         # a sequence a warp slot or more: one chunk each where it fits
+    assert chunk(4096, 4096, 32, warp) == 128        # ... and where it does not, ~L/32
+    assert cuda._default_chunk(Ext(), 2, True, False, 512, 4096, 32, 132, warp) == 128   # bf16 at N <= 32: ~L/32
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB

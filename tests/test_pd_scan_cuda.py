@@ -132,9 +132,9 @@ def test_forward_backward_match_reference(L, N, chunk, dtype, algo):
 def test_warp_repair_matches_reference(pmode, form):
     """Chunks of >= 24 steps: the warp forward repairs collapsed chunks from its log (random, collide) and replays
     the others (perm; ring32 from where its log fills up); either way the outputs match the float64 loop to fp32
-    accuracy."""
+    accuracy, up to chunks of 512 steps (the log's cap: a step in 9 bits)."""
     P, D, b, x0, _ = _inputs(2, 1500, 128, form != "f32", pmode=pmode, seed=11)
-    _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256), 1e-6)
+    _check_warp_forward(form, P, D, b, x0, (None, 24, 64, 256, 512), 1e-6)
 
 
 @pytest.mark.parametrize("s", [5, 9, 17, 32, 33])
@@ -267,7 +267,7 @@ def test_warp_repair_bf16_rounds_once(pmode, form):
         Dk, bk, x0k = bf(D), bf(b), x0.to(torch.float32)
         x_ref = _naive(P, Dk.double(), bk.double(), x0k.double())
     parts = (lambda t: (t.real, t.imag)) if cplx else (lambda t: (t,))
-    for chunk in (None, 32, 64, 128, 256):
+    for chunk in (None, 32, 64, 128, 256, 512):
         if cplx:
             x = K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi, x0k, chunk=chunk, algo="warp")
         else:

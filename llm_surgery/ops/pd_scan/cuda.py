@@ -194,7 +194,11 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
     longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
     of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
-    chunk a warp slot, each long enough to keep a repair log); where it leaves fewer than 3.5 warps an SM, halved
+    chunk a warp slot, each long enough to keep a repair log), and where none does, the fewest whole waves of
+    chunks that keep a log (<= 512 steps), spread evenly over them (fewer look-backs and replays, no partial last
+    wave; H100 and H200: 7-22% less time at 48-512 sequences of N = 64-256 and in the fp32 forms at N <= 32, 0-7%
+    at others; bf16 at N <= 32, and sequences past the log's cap that fill a wave by themselves, keep ~L/32,
+    which was as fast or faster there; session 27); where it leaves fewer than 3.5 warps an SM, halved
     down to 64 steps while that leaves at most 128 chunks a sequence; doubled up to 256 steps while a sequence
     has more than 256 (its look-back grows with its chunks: on the H100, 1-2 sequences of L=16384 take 10-16%
     less time in 128-step chunks than in 64, one of L=65536 11-16% less in 256 than in 128; session 26); and
@@ -207,7 +211,13 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         if chunks(T) > slots:
             fit = [t for t in (16, 32, 64, 128, 256) if t > T and chunks(t) <= slots]
-            return fit[0] if fit else T
+            if fit:
+                return fit[0]
+            if (bf16 and N <= 32) or (S >= slots and L > _REPAIR_MAX_T):
+                return T
+            per_seq = -(-L // _REPAIR_MAX_T)   # chunks a sequence needs at least
+            waves = -(-per_seq * S // slots)
+            return -(-L // (waves * slots // S))
         while T > 64 and 2 * chunks(T) < 7 * sms and -(-L // (T // 2)) <= 128:
             T //= 2
         while T < 256 and -(-L // T) > 256:
@@ -223,7 +233,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
     return T
 
 
-_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 384   # kernels/pd_scan.cu: REPAIR_MIN_T and REPAIR_MAX_T (a test compares)
+_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 512   # kernels/pd_scan.cu: REPAIR_MIN_T and REPAIR_MAX_T (a test compares)
 # bf16 replays cost half as much: over many waves (the layer's shapes) a log for chunks under 128 steps is up to
 # 13% slower, while in one wave it is faster (split bf16, B=32, N=128, L=2048: 0.139 -> 0.116 ms on the H100;
 # docs/bench/kernels.md, sessions 23-24)
@@ -276,9 +286,10 @@ def _chunk_ramp(chunk, C, T, one_wave):
     stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only for default chunks of
     >= 32 steps in one wave, which all keep a repair log (_repair_capacity): a chunk replayed in full would
     replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower, session 21)."""
-    if chunk or T < 32 or C < 2 or not one_wave:
+    r = _state.get("ramp", _RAMP)
+    if chunk or T < 32 or C < 2 or not one_wave or T * (1 + r) > _REPAIR_MAX_T:
         return 0.0
-    return _state.get("ramp", _RAMP)
+    return r
 
 
 _CHUNK_TABLES: dict = {}
