@@ -1,13 +1,15 @@
-"""The warp forward at many shapes (sequences x L, N): its default chunk and time per form (ms per call, CUDA
-graph, as pd_scan_bench.py times), optionally explicit chunks beside it, and the share of chunks the repair log
-took (clock64 probes). Why: policies that depend on the launch's shape were chosen from these tables
-(docs/bench/kernels.md): which chunks keep a repair log (session 23, `--set layer`), the default chunk and the
-collapse check's window (session 24, `--set policy`, `--set n256`). Run it at two commits, or in two kernel_ab
-variants' trees with `--name`, to compare them.
+"""The warp forward (or, `--which bwd`, the backward) at many shapes (sequences x L, N): its default chunk and time
+per form (ms per call, CUDA graph, as pd_scan_bench.py times), optionally explicit chunks beside it, and the share
+of chunks the repair log took (clock64 probes, forward). Why: policies that depend on the launch's shape were
+chosen from these tables (docs/bench/kernels.md): which chunks keep a repair log (session 23, `--set layer`), the
+default chunk and the collapse check's window (session 24, `--set policy`, `--set n256`), the chunks of launches
+over many waves and of the backward (session 27). Run it at two commits, or in two kernel_ab variants' trees with
+`--name`, to compare them.
 
     PYTHONPATH=.:bench python bench/pd_scan_shapes_chunks.py [--set policy|n256|layer | --shapes S:L:N,...]
                                                              [--chunks 8,16,32,64,128,256]
                                                              [--kinds c64,split_bf16,bf16] [--logged] [--name cur]
+                                                             [--which fwd|bwd]
 """
 import argparse
 
@@ -38,21 +40,25 @@ def main():
     ap.add_argument("--kinds", default="c64,split_bf16,bf16")
     ap.add_argument("--logged", action="store_true", help="also the logged share and replay cycles (default chunk)")
     ap.add_argument("--name", default="", help="a label in front of every row (e.g. a kernel_ab variant's name)")
+    ap.add_argument("--which", default="fwd", choices=("fwd", "bwd"),
+                    help="the warp forward, or the backward (its one kernel)")
     args = ap.parse_args()
+    bwd = args.which == "bwd"
+    algo = "auto" if bwd else "warp"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms, warp forward")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms, {'backward' if bwd else 'warp forward'}")
     shapes = [tuple(int(v) for v in t.split(":")) for t in args.shapes.split(",")] if args.shapes else SETS[args.set]
     for S, L, N in shapes:
         for kind in args.kinds.split(","):
-            T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), False, S, L, N, sms,
-                                 K._ALGOS["warp"])
+            T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), bwd, S, L, N, sms,
+                                 K._ALGOS["block" if bwd else "warp"])
             label = f"{args.name} " if args.name else ""
             row = [f"{label}{kind:10s} S={S:4d} L={L:5d} N={N:3d}",
-                   f"default T={T} {time_kind(kind, S, L, N, algo='warp')[0]:.4f}"]
+                   f"default T={T} {time_kind(kind, S, L, N, which=args.which, algo=algo)[0]:.4f}"]
             for t in [int(v) for v in args.chunks.split(",") if v]:
                 if t <= L:
-                    row.append(f"T={t} {time_kind(kind, S, L, N, chunk=t, algo='warp')[0]:.4f}")
-            if args.logged:
+                    row.append(f"T={t} {time_kind(kind, S, L, N, chunk=t, which=args.which, algo=algo)[0]:.4f}")
+            if args.logged and not bwd:
                 ph = chunk_phases(probe_forward(kind, S, L, N)[0])
                 slow = ph["slow"]
                 row.append(f"logged {100 * ph['logged'][slow].double().mean().item():.0f}% of phase-1 chunks, "

@@ -1782,6 +1782,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   if (sm > done) {
     e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
     if (e != cudaSuccess) {
+      cudaGetLastError();   // reset it, or the caller's next CUDA call would fail on this refusal
       snprintf(msg, sizeof(msg), "cudaFuncSetAttribute(max dynamic smem %d B): %s", sm, cudaGetErrorString(e));
       return msg;
     }

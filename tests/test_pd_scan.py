@@ -257,6 +257,12 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB
     assert chunk(32, 16384, 128, warp, bwd=True) == 16   # the backward has one (block) kernel
+    # the backward at N <= 64: up to 2048 / N steps (<= 64) for few sequences, and for real bf16 at any count,
+    # while >= 4 chunks an SM remain
+    assert chunk(8, 16384, 32, block, bwd=True) == 64 and chunk(4, 16384, 64, block, bwd=True) == 32
+    assert chunk(32, 16384, 32, block, bwd=True) == 16 and chunk(8, 16384, 128, block, bwd=True) == 16
+    assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 32, 132, block) == 64
+    assert chunk(1, 128, 32, block, bwd=True) == 4        # a small launch keeps its 4-step chunks
     assert chunk(32, 128, 128, block) == 4           # and until there are >= 4 blocks per SM
 
 

@@ -323,6 +323,24 @@ def test_dispatcher_autograd_uses_cuda_path():
     assert _rel(Dc.grad, gD_ref) < 1e-5 and _rel(bc.grad, gb_ref) < 1e-5 and _rel(x0c.grad, gx0_ref) < 1e-5
 
 
+def test_too_long_chunk_raises_and_cuda_stays_usable(monkeypatch):
+    """A chunk whose staged rows overflow shared memory (the backward at N=256, 64 steps: ~420 KB) is refused with
+    an error naming it; and where the launcher itself is refused (the Python check bypassed), CUDA's error state is
+    reset, so the caller's next CUDA work runs instead of failing on the refusal."""
+    K = _cuda()
+    P, D, b, _, _ = _inputs(1, 256, 256, True)
+    D, b = D.to(torch.complex64), b.to(torch.complex64)
+    x = K.pd_scan_fwd_cuda(P, D, b)
+    with pytest.raises(ValueError, match="shared memory"):
+        K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
+    monkeypatch.setattr(K, "_smem_limit", lambda device: 1 << 30)
+    with pytest.raises(RuntimeError, match="smem"):
+        K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
+    y = (x * 2).sum()   # a torch kernel launch and a sync: no stale error from the refused launch
+    torch.cuda.synchronize()
+    assert torch.isfinite(torch.view_as_real(y)).all()
+
+
 def test_bad_inputs_raise_clear_errors():
     K = _cuda()
     P, D, b, _, _ = _inputs(1, 8, 16, False)
