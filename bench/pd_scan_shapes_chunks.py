@@ -51,7 +51,7 @@ def main():
     for S, L, N in shapes:
         for kind in args.kinds.split(","):
             T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), bwd, S, L, N, sms,
-                                 K._ALGOS["block" if bwd else "warp"])
+                                 K._algo_code(algo, N, bwd))   # as pd_scan's launcher asks
             label = f"{args.name} " if args.name else ""
             row = [f"{label}{kind:10s} S={S:4d} L={L:5d} N={N:3d}",
                    f"default T={T} {time_kind(kind, S, L, N, which=args.which, algo=algo)[0]:.4f}"]

@@ -333,7 +333,7 @@ def test_too_long_chunk_raises_and_cuda_stays_usable(monkeypatch):
     x = K.pd_scan_fwd_cuda(P, D, b)
     with pytest.raises(ValueError, match="shared memory"):
         K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
-    monkeypatch.setattr(K, "_smem_limit", lambda device: 1 << 30)
+    monkeypatch.setattr(K, "_smem_limit", lambda props: 1 << 30)
     with pytest.raises(RuntimeError, match="smem"):
         K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
     y = (x * 2).sum()   # a torch kernel launch and a sync: no stale error from the refused launch

@@ -317,26 +317,27 @@ def _chunk_starts(L, C, T, r, device):
     return hit
 
 
-def _smem_limit(device):
-    """Shared memory a block may ask for on `device` (the opt-in maximum)."""
-    props = torch.cuda.get_device_properties(device)
+def _smem_limit(props):
+    """Shared memory a block may ask for on the device of `props` (the opt-in maximum)."""
     return getattr(props, "shared_memory_per_block_optin", None) or 227 * 1024   # sm_90's, where torch lacks it
 
 
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, N, bwd)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    props = torch.cuda.get_device_properties(device)
+    sms = props.multi_processor_count
     T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
-    smem, limit = ext.smem_bytes(kind, bf16, N, T, bwd, code), _smem_limit(device)
-    if smem > limit:   # the staged kernels hold a chunk's rows in shared memory
-        raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, more "
-                         f"than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
+    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
+    if not warp_fwd:   # the staged kernels hold a chunk's rows in shared memory (the warp forward's use is fixed)
+        smem, limit = ext.smem_bytes(kind, bf16, N, T, bwd, code), _smem_limit(props)
+        if smem > limit:
+            raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, "
+                             f"more than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
     C = -(-L // T)
     comps = 1 if kind == _REAL else 2
-    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     starts, one_wave = None, False
     if warp_fwd:
         one_wave = S * C <= _warp_slots(ext, kind, bool(bf16), N, sms)
