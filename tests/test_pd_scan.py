@@ -168,6 +168,25 @@ def test_cuda_link_record_size_matches_the_kernel_source():
         assert cuda._link_words(comps) == head + per * (4 * comps) // 4
 
 
+def test_bound_variants_still_apply_to_the_kernel_source():
+    """bench/pd_scan_bounds.py builds its timing-only bounds (BENCHMARKS.md, session 28) by text edits of
+    kernels/pd_scan.cu: each edit must still find its line exactly once, so the bounds stay reproducible."""
+    import importlib.util
+    from pathlib import Path
+    from llm_surgery.ops.pd_scan import cuda
+    path = Path(__file__).resolve().parents[1] / "bench" / "pd_scan_bounds.py"
+    spec = importlib.util.spec_from_file_location("pd_scan_bounds", path)
+    bounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bounds)
+    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    p1 = bounds.variant(src, bounds.NO_LOOKBACK)
+    alone = bounds.variant(src, bounds.NO_TAIL)
+    assert "look_back(flags" in src and "look_back(flags + static_cast<size_t>(q) * C, c - 1" not in p1
+    assert "repair(x);" in p1 and "    repair(x);\n" not in alone
+    with pytest.raises(SystemExit, match="not there once"):
+        bounds.variant(src, [("a line the kernel does not have", "")])
+
+
 def test_cuda_probe_count_matches_the_kernel_source():
     """cuda.py allocates the forward's clock64 probes as the kernel's PROBES strides them (no GPU): fewer columns
     would let a chunk's probes land in the next chunk's row, or past the buffer."""
