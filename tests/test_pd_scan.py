@@ -254,8 +254,8 @@ def test_cuda_default_chunk_without_a_gpu():
 
     warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
 
-    def chunk(S, L, N, algo, bwd=False, per=20):
-        return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo)
+    def chunk(S, L, N, algo, bwd=False, per=20, smem_limit=227 * 1024):
+        return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo, smem_limit)
 
     assert chunk(32, 2048, 128, warp) == 64 and chunk(8, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
     assert chunk(32, 100, 128, warp) == 8 and chunk(32, 256, 128, warp) == 16   # >= 3.5 warps an SM
@@ -279,8 +279,15 @@ def test_cuda_default_chunk_without_a_gpu():
     # the backward at N <= 64: up to 2048 / N steps (<= 64) for few sequences, and for real bf16 at any count,
     # while >= 4 chunks an SM remain
     assert chunk(8, 16384, 32, block, bwd=True) == 64 and chunk(4, 16384, 64, block, bwd=True) == 32
-    assert chunk(32, 16384, 32, block, bwd=True) == 16 and chunk(8, 16384, 128, block, bwd=True) == 16
+    assert chunk(32, 16384, 32, block, bwd=True) == 16 and chunk(16, 16384, 128, block, bwd=True) == 16
     assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 32, 132, block) == 64
+    # ... and at N = 65-128 32 steps for up to 8 sequences and for real bf16 (session 28), where it fits the device
+    assert chunk(8, 16384, 128, block, bwd=True) == 32 and chunk(4, 16384, 100, block, bwd=True) == 32
+    assert chunk(8, 16384, 128, block, bwd=True, smem_limit=64 * 1024) == 16   # 20 x 128 x 32 bytes do not fit
+    assert chunk(8, 16384, 32, block, bwd=True, smem_limit=32 * 1024) == 32    # 20 x 32 x 32 do, x 64 do not
+    assert chunk(256, 2048, 128, block, bwd=True) == 16 and chunk(8, 16384, 256, block, bwd=True) == 8   # as before
+    assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 128, 132, block) == 32
+    assert cuda._default_chunk(Ext(), 1, True, True, 512, 2048, 128, 132, block) == 16   # split bf16: not at 512
     assert chunk(1, 128, 32, block, bwd=True) == 4        # a small launch keeps its 4-step chunks
     assert chunk(32, 128, 128, block) == 4           # and until there are >= 4 blocks per SM
 

@@ -188,12 +188,15 @@ def _warp_slots(ext, kind, bf16, N, sms):
     return sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
 
 
-def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
+def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=227 * 1024):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB; the
     backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
     sequences (their look-back chains set its pace: 1.06-3.7x faster on the H100) and for real bf16 at any count
-    (2-30% faster; the other forms there lost up to 27%; session 27). Warp
+    (2-30% faster; the other forms there lost up to 27%; session 27), and at N = 65-128 to 32 steps for up to 8
+    sequences and for real bf16 (0-51% faster on the H100 and the H200; 16 sequences lost up to 15%, and the
+    complex fp32 forms at 100-256 sequences gained 6-16% on the H100 but lost up to 13% on the H200; session 28),
+    where the block fits the device's shared memory (`smem_limit`). Warp
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
     longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
     of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
@@ -233,8 +236,10 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo):
         T //= 2
     while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
-    if bwd and N <= 64 and (S <= 16 or (kind == _REAL and bf16)):
-        while 2 * T <= min(64, 2048 // N) and S * -(-L // (2 * T)) >= 4 * sms:
+    if bwd and N <= 128 and (S <= (16 if N <= 64 else 8) or (kind == _REAL and bf16)):
+        cap = min(64, 2048 // N) if N <= 64 else 32
+        while 2 * T <= cap and S * -(-L // (2 * T)) >= 4 * sms and \
+                ext.smem_bytes(kind, bf16, N, 2 * T, bwd, algo) <= smem_limit:
             T *= 2
     return T
 
@@ -327,7 +332,7 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     code = _algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
-    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code)
+    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code, _smem_limit(props))
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
