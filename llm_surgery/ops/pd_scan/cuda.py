@@ -194,9 +194,9 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=227 * 10
     backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
     sequences (their look-back chains set its pace: 1.06-3.7x faster on the H100) and for real bf16 at any count
     (2-30% faster; the other forms there lost up to 27%; session 27), and at N = 65-128 to 32 steps for up to 8
-    sequences and for real bf16 (0-51% faster on the H100 and the H200; 16 sequences lost up to 15%, and the
-    complex fp32 forms at 100-256 sequences gained 6-16% on the H100 but lost up to 13% on the H200; session 28),
-    where the block fits the device's shared memory (`smem_limit`). Warp
+    sequences and for real bf16 (up to 51% faster on the H100 and the H200, complex fp32 at 8 x 8,192 within 3%;
+    16 sequences lost up to 15%, and the complex fp32 forms at 100-256 sequences gained 6-16% on the H100 but lost
+    up to 13% on the H200; session 28), where the block fits the device's shared memory (`smem_limit`). Warp
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
     longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
     of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
