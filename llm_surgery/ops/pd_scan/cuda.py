@@ -188,7 +188,10 @@ def _warp_slots(ext, kind, bf16, N, sms):
     return sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
 
 
-def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=227 * 1024):
+_SM90_SMEM = 227 * 1024   # shared memory a block may have on sm_90 (H100, H200)
+
+
+def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SMEM):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB; the
     backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
@@ -324,20 +327,20 @@ def _chunk_starts(L, C, T, r, device):
 
 def _smem_limit(props):
     """Shared memory a block may ask for on the device of `props` (the opt-in maximum)."""
-    return getattr(props, "shared_memory_per_block_optin", None) or 227 * 1024   # sm_90's, where torch lacks it
+    return getattr(props, "shared_memory_per_block_optin", None) or _SM90_SMEM   # where torch lacks it
 
 
 def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
-    sms = props.multi_processor_count
-    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code, _smem_limit(props))
+    sms, limit = props.multi_processor_count, _smem_limit(props)
+    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code, limit)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     if not warp_fwd:   # the staged kernels hold a chunk's rows in shared memory (the warp forward's use is fixed)
-        smem, limit = ext.smem_bytes(kind, bf16, N, T, bwd, code), _smem_limit(props)
+        smem = ext.smem_bytes(kind, bf16, N, T, bwd, code)
         if smem > limit:
             raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, "
                              f"more than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
