@@ -169,7 +169,7 @@ def test_cuda_link_record_size_matches_the_kernel_source():
 
 
 def test_bound_variants_still_apply_to_the_kernel_source():
-    """bench/pd_scan_bounds.py builds its timing-only bounds (BENCHMARKS.md, session 28) by text edits of
+    """bench/pd_scan_bounds.py builds its timing-only bounds (BENCHMARKS.md, sessions 28-29) by text edits of
     kernels/pd_scan.cu: each edit must still find its line exactly once, so the bounds stay reproducible."""
     import importlib.util
     from pathlib import Path
@@ -183,6 +183,11 @@ def test_bound_variants_still_apply_to_the_kernel_source():
     alone = bounds.variant(src, bounds.NO_TAIL)
     assert "look_back(flags" in src and "look_back(flags + static_cast<size_t>(q) * C, c - 1" not in p1
     assert "repair(x);" in p1 and "    repair(x);\n" not in alone
+    made = {name: bounds.variant(src, edits) for name, edits in bounds.VARIANTS.items()}   # every edit applies
+    assert "build(par ^ 1, pn, lk)" in alone and "build(par ^ 1, pn, lk)" not in made["p1ideal"]
+    assert "put_slot(slots + par * M" not in made["p1noxchg"] and "put_slot(slots + par * M" in made["p1ideal"]
+    assert "if (lg > 0) return;" in made["p1io"] and "constexpr int l2_ahead = 3;" in made["p1io_l2pf"]
+    assert "while (false && more)" in made["p1round1"] and "build(par ^ 1, pn, lk)" in made["p1atomics"]
     with pytest.raises(SystemExit, match="not there once"):
         bounds.variant(src, [("a line the kernel does not have", "")])
 
