@@ -46,11 +46,10 @@ _ONE_ROUND = [("      acc[j] = addv(cur.b[j], s.v);\n      h[j] = s.link;\n     
 IDEAL_EXCHANGE = NO_TAIL + _NO_BUILD + _NO_HEADS + _ONE_ROUND
 ROUND1 = NO_TAIL + [("    while (more) {\n", "    while (false && more) {   // TIMING ONLY: one round\n")]
 ATOMICS = NO_TAIL + _NO_HEADS + _ONE_ROUND
-NO_EXCHANGE = NO_TAIL + _NO_BUILD + _NO_HEADS + [
+NO_EXCHANGE = IDEAL_EXCHANGE + [
     ("    for (int j = 0; j < E; ++j) put_slot(slots + par * M + lane + 32 * j, val[j], lk[j]);\n",
      "    for (int j = 0; j < E; ++j) lk[j] = 0;   // TIMING ONLY: no exchange\n"),
-    ("      const Slot s = *reinterpret_cast<const Slot*>(smem + h[j]);\n      acc[j] = addv(cur.b[j], s.v);\n"
-     "      h[j] = s.link;\n      more |= h[j] != NUL;\n",
+    ("      const Slot s = *reinterpret_cast<const Slot*>(smem + h[j]);\n      acc[j] = addv(cur.b[j], s.v);\n",
      "      acc[j] = addv(cur.b[j], val[j]);\n"),
 ]
 NO_LOG = NO_EXCHANGE + [
