@@ -45,13 +45,14 @@ def main():
     args = ap.parse_args()
     bwd = args.which == "bwd"
     algo = "auto" if bwd else "warp"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    props = torch.cuda.get_device_properties(0)
+    sms, limit = props.multi_processor_count, K._smem_limit(props)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms, {'backward' if bwd else 'warp forward'}")
     shapes = [tuple(int(v) for v in t.split(":")) for t in args.shapes.split(",")] if args.shapes else SETS[args.set]
     for S, L, N in shapes:
         for kind in args.kinds.split(","):
             T = K._default_chunk(K._module(), FORMS[kind], kind.endswith("bf16"), bwd, S, L, N, sms,
-                                 K._algo_code(algo, N, bwd))   # as pd_scan's launcher asks
+                                 K._algo_code(algo, N, bwd), limit)   # as pd_scan's launcher asks
             label = f"{args.name} " if args.name else ""
             row = [f"{label}{kind:10s} S={S:4d} L={L:5d} N={N:3d}",
                    f"default T={T} {time_kind(kind, S, L, N, which=args.which, algo=algo)[0]:.4f}"]
