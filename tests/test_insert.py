@@ -1,16 +1,18 @@
 """Surgery on tiny Granite 4.0 and Nemotron-H hosts (real transformers classes, saved with save_pretrained and
 reloaded with from_pretrained like a user's checkpoint), for every mixer kind."""
 
+import inspect
 import json
+from copy import deepcopy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from llm_surgery.hosts import build_tiny_host
 from llm_surgery.insert import (InsertedBlock, count_parameters, insert_layers, inserted_layers, inserted_specs,
-                                load_inserted, remove_inserted, save_inserted, set_tau)
+                                keep_state_history, load_inserted, remove_inserted, save_inserted, set_tau)
+from llm_surgery.insert.state import cache_state
 from llm_surgery.layers.registry import MIXER_KINDS
 
 ARCHS = ("granite", "nemotron")
@@ -170,24 +172,59 @@ def test_checkpointing_enabled_before_insertion(host_dirs):
 
 
 # ----------------------------------------------------------------------------------------------- generation
+def trained(host_dirs, arch, kind, steps=2):
+    """A host with layers before every attention block, perturbed, then a few real AdamW steps (so every inserted
+    tensor is trained and the layers change the tokens generated)."""
+    model = load_host(host_dirs, arch) if isinstance(host_dirs, dict) else host_dirs
+    insert_layers(model, kind, n_attention(model))
+    perturb(model, std=0.5)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for s in range(steps):
+        x = ids(4, 12, seed=100 + s)
+        model(x, labels=x, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def cache_kw(model, cache):
+    """The model's keyword for a cache: `cache` from transformers 5.24, `past_key_values` before."""
+    return {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"): cache}
+
+
+def attention_only(arch):
+    """A tiny host without Mamba layers: the host's own Mamba cache layers refuse crop and batch selection, so
+    these cache operations are tested where the inserted layers are the only recurrent state."""
+    return build_tiny_host(arch, seed=1, pattern="**")
+
+
+def decode(model, cache, x, start, stop=None):
+    """Logits of feeding x[:, start:stop] token by token into `cache`."""
+    out = []
+    with torch.no_grad():
+        for t in range(start, x.shape[1] if stop is None else stop):
+            out.append(model(x[:, t:t + 1], use_cache=True, **cache_kw(model, cache)).logits)
+    return torch.cat(out, 1)
+
+
+GEN = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0)  # min: no early EOS
+
+
 @pytest.mark.parametrize("arch,kind", CASES)
 def test_cached_decode_matches_full_forward(host_dirs, arch, kind):
-    model = load_host(host_dirs, arch)
-    insert_layers(model, kind, n_attention(model))
-    perturb(model)
+    model = trained(host_dirs, arch, kind)
     x = ids(batch=2, length=9, seed=5)
+    cache = DynamicCache(config=model.config)
+    layer_types = [type(layer) for layer in cache.layers]
     with torch.no_grad():
         full = model(x, use_cache=False).logits
-        cache = DynamicCache(config=model.config)
-        step = model(x[:, :6], past_key_values=cache, use_cache=True)
-        pieces = [step.logits]
-        for t in range(6, 9):
-            step = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-            pieces.append(step.logits)
-    for i in inserted_layers(model):
-        assert isinstance(cache.layers[i], LinearAttentionAndFullAttentionLayer)
-        assert cache.layers[i].has_previous_state[0]
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
+        prefill = model(x[:, :6], use_cache=True, **cache_kw(model, cache)).logits
+    pieces = torch.cat([prefill, decode(model, cache, x, 6)], 1)
+    torch.testing.assert_close(pieces, full, rtol=1e-4, atol=1e-4)
+    assert [type(layer) for layer in cache.layers] == layer_types  # the cache's own layers are left alone
+    assert sorted(cache_state(cache).layers) == sorted(inserted_layers(model))
+    assert all(cache_state(cache).latest(i)[0] == 9 for i in inserted_layers(model))
     # The inserted layers really act: without them the logits differ.
     remove_inserted(model)
     with torch.no_grad():
@@ -195,39 +232,110 @@ def test_cached_decode_matches_full_forward(host_dirs, arch, kind):
 
 
 @pytest.mark.parametrize("arch,kind", CASES)
-def test_generate_cached_equals_uncached_and_left_padding(host_dirs, arch, kind):
-    model = load_host(host_dirs, arch)
-    insert_layers(model, kind, n_attention(model))
-    perturb(model, std=0.5)
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # no early EOS
+def test_generate_cached_equals_uncached(host_dirs, arch, kind):
+    """Greedy, seeded sampling, a left-padded batch and beam search (the cache's reorder_cache)."""
+    model = trained(host_dirs, arch, kind)
     long, short = ids(1, 9, seed=7), ids(1, 6, seed=8)
-    cached = model.generate(long, **kw)
-    uncached = model.generate(long, use_cache=False, **kw)
-    assert torch.equal(cached, uncached)
-    single_short = model.generate(short, **kw)
-    # pad with a real token (id 0 embeds to zeros in Granite, which would hide a missing mask)
+
+    def both(x, seed=0, **kw):
+        torch.manual_seed(seed)
+        cached = model.generate(x, **GEN, **kw)
+        torch.manual_seed(seed)
+        return cached, model.generate(x, use_cache=False, **GEN, **kw)
+
+    greedy, uncached = both(long, do_sample=False)
+    assert torch.equal(greedy, uncached)
+    sampled, uncached = both(long, seed=3, do_sample=True, top_k=0, temperature=2.0, num_return_sequences=3)
+    assert torch.equal(sampled, uncached)
+    beams, uncached = both(long, do_sample=False, num_beams=3, num_return_sequences=3)
+    assert torch.equal(beams, uncached)
+
+    # left padding with a real token (id 0 embeds to zeros in Granite, which would hide a missing mask)
     batch = torch.cat([long, torch.cat([torch.full((1, 3), 5), short], 1)])
     mask = (torch.arange(9) >= torch.tensor([[0], [3]])).long()
     with torch.no_grad():  # padding must not reach the inserted layers' state
         padded = model(batch, attention_mask=mask, use_cache=False).logits[1, 3:]
         torch.testing.assert_close(padded, model(short, use_cache=False).logits[0], rtol=1e-4, atol=1e-4)
-    both = model.generate(batch, attention_mask=mask, **kw)
-    assert torch.equal(both[0], cached[0])
-    assert torch.equal(both[1, 3:], single_short[0])
+    padded_out = model.generate(batch, attention_mask=mask, do_sample=False, **GEN)
+    assert torch.equal(padded_out[0], greedy[0])
+    assert torch.equal(padded_out[1, 3:], model.generate(short, do_sample=False, **GEN)[0])
 
 
-@pytest.mark.parametrize("arch,kind", [("granite", "pdssm"), ("nemotron", "deltanet")])
+@pytest.mark.parametrize("arch,kind", CASES)
 def test_generate_with_static_cache(host_dirs, arch, kind):
-    from transformers.cache_utils import LinearAttentionAndStaticFullAttentionLayer
-    model = load_host(host_dirs, arch)
-    insert_layers(model, kind, n_attention(model))
-    perturb(model, std=0.5)
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    x = ids(1, 9, seed=2)
-    out = model.generate(x, cache_implementation="static", return_dict_in_generate=True, **kw)
-    assert torch.equal(out.sequences, model.generate(x, use_cache=False, **kw))
-    assert all(isinstance(out.past_key_values.layers[i], LinearAttentionAndStaticFullAttentionLayer)
-               for i in inserted_layers(model))
+    model = trained(host_dirs, arch, kind)
+    x = ids(2, 9, seed=2)
+    reference = model.generate(x, use_cache=False, do_sample=False, **GEN)
+    assert torch.equal(model.generate(x, cache_implementation="static", do_sample=False, **GEN), reference)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    assert torch.equal(model.generate(x, do_sample=False, **GEN, **cache_kw(model, cache)), reference)
+    cache.reset()  # a reset cache starts again from the inserted layers' start state
+    assert not cache_state(cache).layers
+    assert torch.equal(model.generate(x, do_sample=False, **GEN, **cache_kw(model, cache)), reference)
+
+
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_cropped_cache(arch, kind):
+    model = trained(attention_only(arch), arch, kind)
+    x = ids(2, 12, seed=9)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+    # With the history kept, crop goes back exactly to the end of any earlier forward.
+    cache = keep_state_history(DynamicCache(config=model.config))
+    with torch.no_grad():
+        model(x[:, :6], use_cache=True, **cache_kw(model, cache))
+    decode(model, cache, ids(2, 4, seed=10), 0)  # 4 tokens that are then cropped away
+    cache.crop(-4)
+    assert cache.get_seq_length() == 6
+    torch.testing.assert_close(decode(model, cache, x, 6, 9), full[:, 6:9], rtol=1e-4, atol=1e-4)
+    cache.crop(-2)  # back to 7: the end of a one-token forward
+    torch.testing.assert_close(decode(model, cache, x, 7), full[:, 7:], rtol=1e-4, atol=1e-4)
+    cache.crop(0)  # crop(0) keeps everything
+    assert cache.get_seq_length() == 12 and cache_state(cache).latest(inserted_specs(model)[0].layer_idx)[0] == 12
+    with pytest.raises(ValueError, match="cropped to 3 tokens.*keeps its recurrent state only after.*6, 7"):
+        cache.crop(-9)  # 3 tokens lie inside the 6-token prefill: not restorable
+
+    # Without the history, a crop that removes tokens is an error, and so is using the cache afterwards.
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :8], use_cache=True, **cache_kw(model, cache))
+    with pytest.raises(ValueError, match="cropped to 7 tokens.*keep_state_history"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="holds 7 tokens but inserted layer .* covers 8.*reset"):
+        decode(model, cache, x, 8, 9)
+    cache.crop(-7)  # cropping to 0 goes back to the start state, so the cache is usable again
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:, :9], use_cache=True, **cache_kw(model, cache)).logits,
+                                   full[:, :9], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_batch_operations_and_copy(arch):
+    model = trained(attention_only(arch), arch, "mamba2")
+    x = ids(2, 8, seed=11)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :7], use_cache=True, **cache_kw(model, cache))
+    cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+    rep = x.repeat_interleave(2, 0)
+    with torch.no_grad():
+        full = model(rep, use_cache=False).logits
+    copy = deepcopy(cache)
+    torch.testing.assert_close(decode(model, cache, rep, 7), full[:, 7:], rtol=1e-4, atol=1e-4)
+    copy.batch_select_indices(torch.tensor([1, 2]))  # the copy's state follows the copy alone
+    assert all(t.shape[0] == 2 for s in cache_state(copy).layers.values() for st in s.values() for t in st)
+    assert all(t.shape[0] == 4 for s in cache_state(cache).layers.values() for st in s.values() for t in st)
+    torch.testing.assert_close(decode(model, copy, rep[1:3], 7), full[1:3, 7:], rtol=1e-4, atol=1e-4)
+
+
+def test_cache_filled_without_inserted_layers_is_refused(host_dirs):
+    model = load_host(host_dirs, "granite")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids(1, 5), use_cache=True, **cache_kw(model, cache))  # the host alone fills the cache
+    insert_layers(model, "deltanet", 1)
+    with pytest.raises(ValueError, match="already holds 5 tokens that inserted layer .* did not see"):
+        decode(model, cache, ids(1, 6), 5)
 
 
 # ------------------------------------------------------------------------------------------------ save/load

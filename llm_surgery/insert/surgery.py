@@ -5,22 +5,25 @@ position, so nothing is added to `model.layers`. Instead each chosen attention d
 `pre_ssm` (an `InsertedBlock`) and a forward pre-hook that runs it on the layer's input. Host parameter names are
 unchanged; the new ones are `model.layers.{i}.pre_ssm.*` (stable, FSDP-wrappable as whole blocks). The 2-D padding
 mask, which attention layers do not receive, is captured by a pre-hook on the decoder stack. During generation
-the cache layer at index i becomes a linear+full attention layer holding both the host's KV and the block's
-(conv, recurrent) state.
+the blocks' (conv, recurrent) state is kept next to the cache object the host passes down (`state.py`); the
+cache's own layers are not touched.
+
+The surgery is transactional: every block is built before the model is touched, and any error while attaching
+puts back the hooks, attributes and `requires_grad` flags as they were.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import types
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers.cache_utils import (Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndStaticFullAttentionLayer, LinearAttentionCacheLayerMixin,
-                                      StaticLayer)
+from transformers.cache_utils import Cache
 
+from . import state
 from .block import InsertedBlock
 from .host import attention_layers, base_model, dtype_and_device, norm_eps
 
@@ -46,7 +49,7 @@ class LayerSpec:
 @dataclass
 class _Surgery:
     specs: list[LayerSpec]
-    handles: list = field(default_factory=list)
+    undo: list = field(default_factory=list)  # what remove_inserted runs, last first (requires_grad stays)
     mask: object = None  # the decoder stack's attention_mask argument during its forward
 
 
@@ -109,37 +112,19 @@ def _recurrent_mask(mask, seq_len: int):
     return mask[:, -seq_len:]
 
 
-def _prepare_cache(cache, idx: int) -> None:
-    """Make cache layer `idx` able to hold the inserted block's state next to the attention KV."""
-    if not isinstance(cache, Cache):
-        raise TypeError(f"past_key_values must be a transformers Cache, got {type(cache).__name__}")
-    layers = cache.layers
-    if len(layers) <= idx and cache.layer_class_to_replicate is not None:
-        while len(layers) <= idx:
-            layers.append(cache.layer_class_to_replicate())
-    layer = layers[idx]
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        return
-    if type(layer) is DynamicLayer:
-        new = LinearAttentionAndFullAttentionLayer()
-    elif type(layer) is StaticLayer:
-        new = LinearAttentionAndStaticFullAttentionLayer(layer.max_cache_len)
-    else:
-        raise ValueError(f"cache layer {idx} is a {type(layer).__name__}; inserted layers work with DynamicCache "
-                         "(the default) and StaticCache")
-    if layer.is_initialized:
-        raise ValueError(f"cache layer {idx} already holds attention keys/values written without the inserted "
-                         "layer's state; start generation from an empty cache (or none)")
-    layers[idx] = new
+def _find_cache(args, kwargs):
+    """The cache the host hands its decoder layer, whatever the release calls it (`cache`, `past_key_values`)."""
+    return next((v for v in (*args[1:], *kwargs.values()) if isinstance(v, Cache)), None)
 
 
 def _layer_pre_hook(surgery: _Surgery, layer, args, kwargs):
     block = layer.pre_ssm
     hidden = args[0] if args else kwargs["hidden_states"]
-    cache = kwargs.get("past_key_values")
-    if cache is not None:
-        _prepare_cache(cache, block.layer_idx)
-    out = block(hidden, attention_mask=_recurrent_mask(surgery.mask, hidden.shape[1]), past_key_values=cache)
+    mask = _recurrent_mask(surgery.mask, hidden.shape[1])
+    cache = _find_cache(args, kwargs)
+    if cache is not None and block.gradient_checkpointing and block.training and torch.is_grad_enabled():
+        cache = None  # as the host's checkpointed layers do: a recomputed forward must not update a cache twice
+    out = block(hidden, attention_mask=mask) if cache is None else state.step(block, hidden, mask, cache)
     if args:
         return (out, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": out}
@@ -172,36 +157,93 @@ def _build_block(spec: LayerSpec, hidden: int, eps: float, dtype, device) -> Ins
     return block
 
 
+def _check_specs(base, specs: list[LayerSpec]) -> None:
+    """Every spec names an attention block of this host, consistently, at most once (load_inserted reads them
+    from a file)."""
+    attn = attention_layers(base)
+    seen = set()
+    for s in specs:
+        idx, pos = s.layer_idx, s.attention_position
+        if not (isinstance(idx, int) and 0 <= idx < len(base.layers)):
+            raise ValueError(f"layer_idx {idx!r} is out of range: this host has {len(base.layers)} decoder layers")
+        if idx in seen:
+            raise ValueError(f"layer_idx {idx} appears twice; each attention block takes at most one layer")
+        seen.add(idx)
+        if idx not in attn or not (isinstance(pos, int) and 0 <= pos < len(attn)) or attn[pos] != idx:
+            raise ValueError(f"layer_idx {idx} with attention_position {pos!r} does not name an attention block "
+                             f"of this host (attention blocks at decoder layers {attn})")
+
+
+def _refuse_save_pretrained(model, *args, **kwargs):
+    raise RuntimeError("save_pretrained on a model with inserted layers would write tensors that from_pretrained "
+                       "drops; save the inserted layers with llm_surgery.save_inserted(model, dir) and restore them "
+                       "with load_inserted(<host from_pretrained>, dir), or remove_inserted(model) to save the host")
+
+
+def _set(undo: list, obj, name: str, value) -> None:
+    """Set a plain attribute, remembering how to put back what was there (an instance value or nothing)."""
+    old = obj.__dict__.get(name, _MISSING)
+    obj.__dict__[name] = value
+    undo.append(partial(_put_back, obj, name, old))
+
+
+def _put_back(obj, name: str, old) -> None:
+    if old is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = old
+
+
+_MISSING = object()
+
+
 def _insert(model, specs: list[LayerSpec]):
+    """Build every block, then attach them all; an error at any point leaves the model as it was."""
     base = base_model(model)
     existing = getattr(base, _ATTR, None)
     if existing is not None:
         raise ValueError(f"this model already has {len(existing.specs)} inserted layers (before decoder layers "
                          f"{[s.layer_idx for s in existing.specs]}); insert into a fresh host, or call "
                          "remove_inserted(model) first")
+    _check_specs(base, specs)
+    taken = [s.layer_idx for s in specs if hasattr(base.layers[s.layer_idx], "pre_ssm")]
+    if taken:
+        raise ValueError(f"decoder layers {taken} already have a 'pre_ssm' attribute; insert into a fresh host")
     hidden, eps = int(base.config.hidden_size), norm_eps(base)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    surgery = _Surgery(specs)
-    for spec in specs:
-        layer = base.layers[spec.layer_idx]
-        block = _build_block(spec, hidden, eps, *dtype_and_device(layer))
-        if getattr(layer, "gradient_checkpointing", False):  # checkpointing was enabled before the surgery
-            block.gradient_checkpointing = True
-            block._gradient_checkpointing_func = layer._gradient_checkpointing_func
-        block.train(layer.training)
-        layer.pre_ssm = block
-        surgery.handles.append(layer.register_forward_pre_hook(partial(_layer_pre_hook, surgery), with_kwargs=True))
+    blocks = [_build_block(s, hidden, eps, *dtype_and_device(base.layers[s.layer_idx])) for s in specs]
     mask_arg = list(inspect.signature(base.forward).parameters).index("attention_mask")
-    surgery.handles.append(base.register_forward_pre_hook(partial(_capture_mask, surgery, mask_arg),
-                                                          with_kwargs=True))
-    surgery.handles.append(base.register_forward_hook(partial(_release_mask, surgery), with_kwargs=True,
-                                                      always_call=True))
-    setattr(base, _ATTR, surgery)
-    for m in {model, base}:  # FSDP auto-wrap / device_map treat each inserted block as one unit
-        names = list(getattr(m, "_no_split_modules", None) or [])
-        if InsertedBlock.__name__ not in names:
-            m._no_split_modules = names + [InsertedBlock.__name__]
+
+    surgery = _Surgery(specs)
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        for spec, block in zip(specs, blocks):
+            layer = base.layers[spec.layer_idx]
+            if getattr(layer, "gradient_checkpointing", False):  # checkpointing was enabled before the surgery
+                block.gradient_checkpointing = True
+                block._gradient_checkpointing_func = layer._gradient_checkpointing_func
+            block.train(layer.training)
+            layer.pre_ssm = block
+            surgery.undo.append(partial(delattr, layer, "pre_ssm"))
+            handle = layer.register_forward_pre_hook(partial(_layer_pre_hook, surgery), with_kwargs=True)
+            surgery.undo.append(handle.remove)
+        handle = base.register_forward_pre_hook(partial(_capture_mask, surgery, mask_arg), with_kwargs=True)
+        surgery.undo.append(handle.remove)
+        handle = base.register_forward_hook(partial(_release_mask, surgery), with_kwargs=True, always_call=True)
+        surgery.undo.append(handle.remove)
+        for m in {model, base}:
+            names = list(getattr(m, "_no_split_modules", None) or [])
+            if InsertedBlock.__name__ not in names:  # FSDP auto-wrap / device_map treat each block as one unit
+                _set(surgery.undo, m, "_no_split_modules", names + [InsertedBlock.__name__])
+            _set(surgery.undo, m, "save_pretrained", types.MethodType(_refuse_save_pretrained, m))
+        _set(surgery.undo, base, _ATTR, surgery)
+    except BaseException:
+        for fn in reversed(surgery.undo):
+            fn()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        raise
     return model
 
 
@@ -221,16 +263,13 @@ def insert_layers(model, kind, n: int, positions=None, **layer_options):
 
 
 def remove_inserted(model):
-    """Undo the surgery (hooks and blocks removed; the host stays frozen). Returns the model."""
+    """Undo the surgery (hooks, blocks and attributes removed; the host stays frozen). Returns the model."""
     base = base_model(model)
     surgery = getattr(base, _ATTR, None)
     if surgery is None:
         raise ValueError("this model has no inserted layers")
-    for h in surgery.handles:
-        h.remove()
-    for spec in surgery.specs:
-        del base.layers[spec.layer_idx].pre_ssm
-    delattr(base, _ATTR)
+    for fn in reversed(surgery.undo):
+        fn()
     return model
 
 
