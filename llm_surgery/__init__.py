@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"insert_layers": "insert", "save_inserted": "insert", "load_inserted": "insert",
          "remove_inserted": "insert", "inserted_layers": "insert", "set_tau": "insert", "count_parameters": "insert",
+         "keep_state_history": "insert",
          "pd_scan": "ops", "pd_select_scan": "ops", "FlashPDSSM": "layers", "build_mixer": "layers"}
 
 __all__ = ["__version__", *_LAZY]

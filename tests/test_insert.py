@@ -485,6 +485,113 @@ def test_checkpoint_errors(host_dirs, tmp_path):
     assert not inserted_layers(fresh) and not any(".pre_ssm." in n for n, _ in fresh.named_parameters())
 
 
+# ------------------------------------------------------------------------------------- transactional surgery
+def snapshot(model):
+    """Everything the surgery may touch: modules, their attributes and hooks, and requires_grad flags."""
+    return ({n: p.requires_grad for n, p in model.named_parameters()},
+            {n: (sorted(m.__dict__), list(m._forward_pre_hooks), list(m._forward_hooks))
+             for n, m in model.named_modules()})
+
+
+def test_failed_insert_leaves_model_as_it_was(host_dirs, monkeypatch):
+    model = load_host(host_dirs, "nemotron")
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="dict_size"):  # a pdssm option that mamba2 does not take
+        insert_layers(model, ["pdssm", "mamba2"], 2, dict_size=4)
+    assert snapshot(model) == before
+    # An error while attaching (here: the last hook) puts back what was already attached.
+    calls = []
+
+    def failing_hook(self, *args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("hook refused")
+
+    monkeypatch.setattr(type(model.model), "register_forward_hook", failing_hook)
+    with pytest.raises(RuntimeError, match="hook refused"):
+        insert_layers(model, ["pdssm", "mamba2"], 2)
+    assert calls and snapshot(model) == before
+    monkeypatch.undo()
+    # A retry works, and each block runs once per forward.
+    insert_layers(model, ["pdssm", "mamba2"], 2)
+    runs = []
+    for block in inserted_layers(model).values():
+        block.register_forward_hook(lambda *a: runs.append(1))
+    with torch.no_grad():
+        model(ids(), use_cache=False)
+    assert len(runs) == 2
+    remove_inserted(model)
+    assert snapshot(model)[1] == before[1]  # remove_inserted puts back every attribute and hook
+
+
+def _rewrite(src, dst, edit):
+    dst.mkdir()
+    meta = json.loads((src / "inserted.json").read_text())
+    edit(meta)
+    (dst / "inserted.json").write_text(json.dumps(meta))
+    (dst / "inserted.safetensors").write_bytes((src / "inserted.safetensors").read_bytes())
+    return dst
+
+
+def test_load_inserted_checks_layers_and_host_config_before_touching_the_model(host_dirs, tmp_path):
+    model = load_host(host_dirs, "granite")  # attention blocks at decoder layers 1 and 3
+    insert_layers(model, "mamba2", 2)
+    perturb(model)
+    ckpt = save_inserted(model, tmp_path / "ok")
+    meta = json.loads((ckpt / "inserted.json").read_text())
+    assert meta["host"]["name_or_path"] == str(host_dirs["granite"]) and len(meta["host"]["config_hash"]) == 64
+    assert meta["host"]["config"]["hidden_size"] == 64
+
+    def set_idx(i, j):
+        def edit(m):
+            m["layers"][0]["layer_idx"], m["layers"][1]["layer_idx"] = i, j
+        return edit
+
+    fresh = load_host(host_dirs, "granite")
+    before = snapshot(fresh)
+    for name, edit, match in [
+            ("range", set_idx(1, 7), "layer_idx 7 is out of range: this host has 4 decoder layers"),
+            ("twice", set_idx(1, 1), "layer_idx 1 appears twice"),
+            ("mamba", set_idx(0, 3), "layer_idx 0 with attention_position 0 does not name an attention block")]:
+        with pytest.raises(ValueError, match=match):
+            load_inserted(fresh, _rewrite(ckpt, tmp_path / name, edit))
+        assert snapshot(fresh) == before
+    # weights that do not fit: checked before anything is attached (flags included)
+    with pytest.raises(ValueError, match="does not match inserted layer"):
+        load_inserted(fresh, _rewrite(ckpt, tmp_path / "kind", lambda m: m["layers"][1].update(
+            kind="deltanet", options={})))
+    assert snapshot(fresh) == before
+
+    # A host of another config (same shapes) is refused with the fields that differ.
+    other = build_tiny_host("granite", seed=1, embedding_multiplier=6.0, rms_norm_eps=1e-6)
+    before = snapshot(other)
+    with pytest.raises(ValueError, match=r"different host \(.*host-granite.*\): embedding_multiplier: checkpoint "
+                                         r"12.0, model 6.0; rms_norm_eps: checkpoint 1e-05, model 1e-06"):
+        load_inserted(other, ckpt)
+    assert snapshot(other) == before
+    # the dtype, the path and fields only one transformers release has are not differences
+    load_inserted(load_host(host_dirs, "granite", dtype=torch.bfloat16), ckpt)
+    load_inserted(build_tiny_host("granite", seed=1), _rewrite(ckpt, tmp_path / "newer", lambda m: (
+        m["host"]["config"].update(field_of_a_newer_release=1), m["host"].update(config_hash="0" * 64))))
+    # a checkpoint written before the hash was recorded still loads
+    old = _rewrite(ckpt, tmp_path / "old", lambda m: [m["host"].pop(k) for k in ("name_or_path", "config_hash",
+                                                                                 "config")])
+    fresh = load_inserted(load_host(host_dirs, "granite"), old)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids()).logits, model(ids()).logits)
+
+
+def test_save_pretrained_of_surgered_model_is_refused(host_dirs, tmp_path):
+    model = load_host(host_dirs, "granite")
+    insert_layers(model, "deltanet", 1)
+    for m in (model, model.model):
+        with pytest.raises(RuntimeError, match="from_pretrained drops.*save_inserted"):
+            m.save_pretrained(tmp_path / "full")
+    assert not (tmp_path / "full").exists()
+    remove_inserted(model)  # the host alone saves again
+    model.save_pretrained(tmp_path / "host")
+    assert (tmp_path / "host" / "config.json").is_file()
+
+
 # ------------------------------------------------------------------------------------------ Accelerate (DDP)
 DDP_SCRIPT = r'''
 import sys, torch

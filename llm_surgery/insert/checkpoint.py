@@ -1,5 +1,6 @@
 """Save and load only the inserted layers: `inserted.safetensors` (weights) + `inserted.json` (what to rebuild
-and which host it belongs to). Loading re-does the surgery on a fresh host, then loads the weights strictly."""
+and which host it belongs to: its shape, name or path, and config with its hash). Loading checks the host, builds
+the blocks and loads their weights strictly before it touches the model, so a failed load changes nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .host import base_model, host_signature
-from .surgery import LayerSpec, _insert, inserted_layers, inserted_specs, remove_inserted
+from .host import base_model, config_differences, config_hash, host_config, host_signature
+from .surgery import LayerSpec, _insert, inserted_layers, inserted_specs
 
 CONFIG_FILE = "inserted.json"
 WEIGHTS_FILE = "inserted.safetensors"
@@ -47,7 +48,7 @@ def save_inserted(model, directory, full_state_dict: dict | None = None) -> Path
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "llm_surgery_version": __version__,
-        "host": host_signature(base_model(model)),
+        "host": _host_record(base_model(model)),
         "layers": [{"kind": s.kind, "attention_position": s.attention_position, "layer_idx": s.layer_idx,
                     "options": s.options} for s in specs],
     }
@@ -60,6 +61,12 @@ def save_inserted(model, directory, full_state_dict: dict | None = None) -> Path
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(text + "\n")
     return directory
+
+
+def _host_record(base) -> dict:
+    config = host_config(base)
+    return {**host_signature(base), "name_or_path": str(getattr(base.config, "_name_or_path", "") or ""),
+            "config_hash": config_hash(config), "config": config}
 
 
 def read_inserted_config(directory) -> dict:
@@ -82,16 +89,22 @@ def read_inserted_config(directory) -> dict:
 
 
 def load_inserted(model, directory):
-    """Insert the layers saved in `directory` into a fresh `model` (same architecture, width and depth) and load
-    their weights strictly. Returns the model."""
+    """Insert the layers saved in `directory` into a fresh `model` (same host config) and load their weights
+    strictly. Everything is checked before the model is touched; a failure leaves it as it was. Returns the model.
+    Checkpoints written before the config hash was recorded are checked by shape only."""
     directory = Path(directory)
     config = read_inserted_config(directory)
-    host = host_signature(base_model(model))
-    saved = config["host"]
+    base = base_model(model)
+    saved, host = config["host"], host_signature(base)
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, model {host[k]!r}" for k in host if saved.get(k) != host[k]]
+    if not diffs and "config_hash" in saved:
+        current = host_config(base)
+        if saved["config_hash"] != config_hash(current):
+            diffs = config_differences(dict(saved.get("config") or {}), current)
     if diffs:
-        raise ValueError(f"the inserted layers in {directory} were saved from a different host ("
-                         + "; ".join(diffs) + ")")
+        name = saved.get("name_or_path")
+        raise ValueError(f"the inserted layers in {directory} were saved from a different host"
+                         + (f" ({name})" if name else "") + ": " + "; ".join(diffs))
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"no inserted-layer weights: {weights} does not exist")
@@ -99,18 +112,12 @@ def load_inserted(model, directory):
         tensors = load_file(str(weights))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"cannot read inserted-layer weights {weights}: {exc}") from exc
-    _insert(model, config["layers"])
-    try:
-        _load_weights(model, tensors, weights)
-    except Exception:
-        remove_inserted(model)
-        raise
-    return model
+    return _insert(model, config["layers"], prepare=lambda blocks: _load_weights(blocks, tensors, weights))
 
 
-def _load_weights(model, tensors: dict[str, torch.Tensor], weights: Path) -> None:
+def _load_weights(blocks: dict[int, torch.nn.Module], tensors: dict[str, torch.Tensor], weights: Path) -> None:
     used = set()
-    for idx, block in inserted_layers(model).items():
+    for idx, block in blocks.items():
         prefix = f"layers.{idx}."
         sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         used.update(prefix + k for k in sub)

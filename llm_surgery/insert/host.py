@@ -3,6 +3,9 @@ and attention blocks are, and the host's norm epsilon, dtype and device."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 from transformers import GraniteMoeHybridModel, NemotronHModel, PreTrainedModel
 
@@ -56,3 +59,28 @@ def host_signature(base) -> dict:
         "num_hidden_layers": len(base.layers),
         "attention_layers": attention_layers(base),
     }
+
+
+#: Config fields that do not shape the network a checkpoint's layers were trained in (paths, versions, dtype,
+#: output switches); fields starting with "_" are internal and left out too.
+_RUNTIME_FIELDS = {"transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "output_attentions",
+                   "output_hidden_states", "output_router_logits", "return_dict", "id2label", "label2id",
+                   "problem_type", "use_mamba_kernels", "tokenizer_class"}
+
+
+def host_config(base) -> dict:
+    """The host config's fields that define its network, as JSON values (what an inserted-layer checkpoint
+    records and compares)."""
+    full = json.loads(base.config.to_json_string(use_diff=False))
+    return {k: v for k, v in sorted(full.items()) if not k.startswith("_") and k not in _RUNTIME_FIELDS}
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """Fields both configs have with different values. A field only one side has comes from another transformers
+    release (new fields get defaults) and is not a difference of the host."""
+    return [f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}"
+            for k in sorted(set(saved) & set(current)) if saved[k] != current[k]]

@@ -197,8 +197,9 @@ def _put_back(obj, name: str, old) -> None:
 _MISSING = object()
 
 
-def _insert(model, specs: list[LayerSpec]):
-    """Build every block, then attach them all; an error at any point leaves the model as it was."""
+def _insert(model, specs: list[LayerSpec], prepare=None):
+    """Build every block (and `prepare({layer_idx: block})` them, e.g. load weights), then attach them all; an
+    error at any point leaves the model as it was."""
     base = base_model(model)
     existing = getattr(base, _ATTR, None)
     if existing is not None:
@@ -211,6 +212,8 @@ def _insert(model, specs: list[LayerSpec]):
         raise ValueError(f"decoder layers {taken} already have a 'pre_ssm' attribute; insert into a fresh host")
     hidden, eps = int(base.config.hidden_size), norm_eps(base)
     blocks = [_build_block(s, hidden, eps, *dtype_and_device(base.layers[s.layer_idx])) for s in specs]
+    if prepare is not None:
+        prepare({s.layer_idx: b for s, b in zip(specs, blocks)})
     mask_arg = list(inspect.signature(base.forward).parameters).index("attention_mask")
 
     surgery = _Surgery(specs)
