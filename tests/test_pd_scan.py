@@ -168,30 +168,6 @@ def test_cuda_link_record_size_matches_the_kernel_source():
         assert cuda._link_words(comps) == head + per * (4 * comps) // 4
 
 
-def test_bound_variants_still_apply_to_the_kernel_source():
-    """bench/pd_scan_bounds.py builds its timing-only bounds (BENCHMARKS.md, sessions 28-29) by text edits of
-    kernels/pd_scan.cu: each edit must still find its line exactly once, so the bounds stay reproducible."""
-    import importlib.util
-    from pathlib import Path
-    from llm_surgery.ops.pd_scan import cuda
-    path = Path(__file__).resolve().parents[1] / "bench" / "pd_scan_bounds.py"
-    spec = importlib.util.spec_from_file_location("pd_scan_bounds", path)
-    bounds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bounds)
-    src = (cuda._source_dir() / "pd_scan.cu").read_text()
-    p1 = bounds.variant(src, bounds.NO_LOOKBACK)
-    alone = bounds.variant(src, bounds.NO_TAIL)
-    assert "look_back(flags" in src and "look_back(flags + static_cast<size_t>(q) * C, c - 1" not in p1
-    assert "repair(x);" in p1 and "    repair(x);\n" not in alone
-    made = {name: bounds.variant(src, edits) for name, edits in bounds.VARIANTS.items()}   # every edit applies
-    assert "build(par ^ 1, pn, lk)" in alone and "build(par ^ 1, pn, lk)" not in made["p1ideal"]
-    assert "put_slot(slots + par * M" not in made["p1noxchg"] and "put_slot(slots + par * M" in made["p1ideal"]
-    assert "if (lg > 0) return;" in made["p1io"] and "constexpr int l2_ahead = 3;" in made["p1io_l2pf"]
-    assert "while (false && more)" in made["p1round1"] and "build(par ^ 1, pn, lk)" in made["p1atomics"]
-    with pytest.raises(SystemExit, match="not there once"):
-        bounds.variant(src, [("a line the kernel does not have", "")])
-
-
 def test_cuda_probe_count_matches_the_kernel_source():
     """cuda.py allocates the forward's clock64 probes as the kernel's PROBES strides them (no GPU): fewer columns
     would let a chunk's probes land in the next chunk's row, or past the buffer."""
@@ -286,7 +262,7 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(8, 16384, 32, block, bwd=True) == 64 and chunk(4, 16384, 64, block, bwd=True) == 32
     assert chunk(32, 16384, 32, block, bwd=True) == 16 and chunk(16, 16384, 128, block, bwd=True) == 16
     assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 32, 132, block) == 64
-    # ... and at N = 65-128 32 steps for up to 8 sequences and for real bf16 (session 28), where it fits the device
+    # ... and at N = 65-128 32 steps for up to 8 sequences and for real bf16, where it fits the device
     assert chunk(8, 16384, 128, block, bwd=True) == 32 and chunk(4, 16384, 100, block, bwd=True) == 32
     assert chunk(8, 16384, 128, block, bwd=True, smem_limit=64 * 1024) == 16   # 20 x 128 x 32 bytes do not fit
     assert chunk(8, 16384, 32, block, bwd=True, smem_limit=32 * 1024) == 32    # 20 x 32 x 32 do, x 64 do not
