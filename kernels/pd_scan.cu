@@ -350,18 +350,12 @@ __device__ __forceinline__ void publish_flag(int* flag, int v) {
   if (threadIdx.x == 0) atomicExch(flag, v);
 }
 
-// Out-of-range indices (a contract violation) become 0 and raise the error flag: no shared-memory access
-// ever leaves the state. Done once per block on the staged chunk, so the step loops index without checks.
-// Called after the chunk is visible to all threads; the caller's next barrier publishes the fixes.
-__device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N, int* err) {
-  bool bad = false;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    if (static_cast<unsigned>(sP[i]) >= static_cast<unsigned>(N)) {
-      sP[i] = 0;
-      bad = true;
-    }
-  }
-  if (bad) atomicOr(err, 1);
+// Out-of-range indices (a contract violation: the Python entry points check P where asked) become 0, so no
+// shared-memory access ever leaves the state. Done once per block on the staged chunk, so the step loops index
+// without checks. Called after the chunk is visible to all threads; the caller's next barrier publishes the fixes.
+__device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x)
+    if (static_cast<unsigned>(sP[i]) >= static_cast<unsigned>(N)) sP[i] = 0;
 }
 
 
@@ -444,8 +438,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
 
   __shared__ uint64_t s_bar;
   const Chunk ch = claim_chunk(a, false, &s_bar);
@@ -470,7 +463,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
-    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N);
     if (threadIdx.x == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
     __syncthreads();
   }
@@ -761,8 +754,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const int N = a.N, C = a.C;
   const int lane = threadIdx.x;
   const int pad = lane % N;   // where padding entries point
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
   int* head = reinterpret_cast<int*>(smem);                     // [2][M]: byte offset of a list's first slot
   constexpr int slots_at = 2 * M * 4;
   Slot* slots = reinterpret_cast<Slot*>(smem + slots_at);       // [2][M]
@@ -807,9 +799,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const bool fast = s_fast;
   if (prof && lane == 0) prof_staged(prof);
   auto live = [&](int j) { return 32 * j + lane < N; };
-  // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state, and the
-  // largest raw value kept to report a contract violation once at the end
-  unsigned pmax = 0;
+  // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state
   using StepIn = WarpStepIn<A, E>;
   // element j of a step's row (0 past N): planes already offset to the lane's first entry of the row
   auto gload = [&](const void* re, const void* im, int j) -> A {
@@ -878,7 +868,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     int* hd = head + bp * M;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      pmax = max(pmax, static_cast<unsigned>(dest[j]));
       dest[j] = min(static_cast<unsigned>(dest[j]), static_cast<unsigned>(N - 1));
       old[j] = atomicExch(&hd[dest[j]], slot_off(bp, lane + 32 * j));
     }
@@ -1554,7 +1543,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       if (live(j)) incl[cbase + lane + 32 * j] = x[j];
     publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
   }
-  if (__any_sync(0xffffffffu, pmax >= static_cast<unsigned>(N)) && lane == 0) atomicOr(err, 1);
   if (prof && lane == 0) prof[5] = clock64();
 }
 
@@ -1569,8 +1557,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
 
   __shared__ uint64_t s_bar;
   const Chunk ch = claim_chunk(a, true, &s_bar);   // last chunk first
@@ -1597,7 +1584,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
-    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N);
     if (threadIdx.x == 0) s_fast = (c == C - 1) ? 1 : ready(flags + static_cast<size_t>(q) * C + c + 1);
     __syncthreads();
   }

@@ -103,6 +103,61 @@ def test_errors_name_the_problem():
         pd_scan(P, P, P)
 
 
+def test_bad_x0_n_and_chunk_size_are_clear_errors():
+    """x0 not a tensor or on another device, an empty state (N = 0) and a chunk size that is not a positive int are
+    refused up front with the problem named (they used to fail deep inside the scan, or silently pick the default)."""
+    from llm_surgery.ops.pd_scan import pd_scan_backward
+    P = torch.zeros(2, 5, 4, dtype=torch.long)
+    D = torch.ones(2, 5, 4)
+    with pytest.raises(TypeError, match="x0 must be a torch.Tensor or None, got list"):
+        pd_scan(P, D, D, [[0.0] * 4] * 2)
+    with pytest.raises(ValueError, match="x0 is on meta"):
+        pd_scan(P, D, D, torch.zeros(2, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"state size N .* must be >= 1"):
+        pd_scan(P[..., :0], D[..., :0], D[..., :0])
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            pd_scan(P, D, D, chunk_size=bad)
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            pd_scan_backward(P, D, None, D, D, chunk_size=bad)
+
+
+def test_p_range_is_checked_unless_the_caller_vouches_for_it():
+    """pd_scan and pd_scan_backward refuse P outside [0, N) (a wide value included: 2**16 + 1 would be 1 after
+    an int16 cast); check_values=False skips the check (and its host sync) and gives the same result in range."""
+    from llm_surgery.ops.pd_scan import pd_scan_backward
+    gen = torch.Generator().manual_seed(4)
+    P, D, b, x0 = _inputs((2, 9, 4), torch.float64, gen)
+    for bad in (4, -1, 2 ** 15, 2 ** 16 + 1):
+        Pb = P.clone()
+        Pb[1, 3, 2] = bad
+        with pytest.raises(ValueError, match=rf"\[0, N=4\), got range \[{min(bad, 0)}, {max(bad, 3)}\]"):
+            pd_scan(Pb, D, b, x0)
+        with pytest.raises(ValueError, match=r"\[0, N=4\)"):
+            pd_scan_backward(Pb, D, x0, b, b)
+    assert torch.equal(pd_scan(P, D, b, x0, check_values=False), pd_scan(P, D, b, x0))
+    ref = pd_scan_backward(P, D, x0, b, b)
+    for r, o in zip(ref, pd_scan_backward(P, D, x0, b, b, check_values=False)):
+        assert torch.equal(r, o)
+
+
+def test_cuda_index_narrowing_never_wraps_without_a_gpu():
+    """The CUDA entry points narrow P to int16. Values outside [0, N) must stay outside (the kernels then keep them
+    inside the state, and pd_scan has refused them before): a plain cast wraps 2**16 + 3 to 3 and 2**15 to -2**15,
+    and 2**16 + 3 would scan as a valid index. validate=True refuses them before the cast."""
+    from llm_surgery.ops.pd_scan import cuda
+    P = torch.tensor([[0, 2 ** 16 + 3, 2 ** 15, -1, -70000, 3, 2 ** 40]])
+    for wide in (P, P.clamp(max=2 ** 31 - 1).to(torch.int32)):
+        narrowed = cuda._idx(wide, 4, False)
+        assert narrowed.dtype == torch.int16
+        inside = (narrowed >= 0) & (narrowed < 4)
+        assert inside.tolist() == [[True, False, False, False, False, True, False]], wide.dtype
+        assert narrowed[0, 0] == 0 and narrowed[0, 5] == 3
+    with pytest.raises(ValueError, match=r"pd_scan CUDA: P values must lie in \[0, N=4\)"):
+        cuda._idx(P, 4, True)
+    assert torch.equal(cuda._idx(P[:, [0, 5]], 4, True), torch.tensor([[0, 3]], dtype=torch.int16))
+
+
 def test_cuda_forward_kernel_policy_without_a_gpu():
     """The size policy that picks the CUDA forward kernel (pure Python: checked here, timed in BENCHMARKS)."""
     from llm_surgery.ops.pd_scan import cuda

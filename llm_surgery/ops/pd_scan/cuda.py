@@ -21,8 +21,10 @@ the chunk length (steps per block; default from the shared-memory budget), `out=
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
 N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: the kernel that
 measured fastest on the H100 and H200 at that size, `_algo_code`; docs/bench/kernels.md).
-P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
-`validate=True` to get a ValueError instead (costs a device sync).
+P values must lie in [0, N): `pd_scan` checks them before it calls these, as `validate=True` does here (a ValueError;
+one aminmax and a device sync). Unchecked, an out-of-range value is moved into the state by the kernels (no memory
+outside it is touched; the outputs are then meaningless), and int32/int64 values are never wrapped into range by
+the narrowing to int16.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from . import check_index_range
 
 __all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
            "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
@@ -153,11 +157,13 @@ def _check_common(P, planes, x0, names):
 
 
 def _idx(P, N, validate):
-    if validate and P.numel():
-        lo, hi = int(P.min()), int(P.max())
-        if lo < 0 or hi >= N:
-            raise ValueError(f"pd_scan CUDA: P values must lie in [0, N={N}), got range [{lo}, {hi}]")
-    return P.to(torch.int16).contiguous() if P.dtype != torch.int16 else P.contiguous()
+    """P as contiguous int16, the kernels' index type. A wider P is clamped to [-1, N] first (N <= 1024), so a
+    value outside [0, N) stays outside: a plain cast would wrap e.g. 65539 to 3, inside the state."""
+    if validate:
+        check_index_range(P, N, "pd_scan CUDA")
+    if P.dtype != torch.int16:
+        P = P.clamp(-1, N).to(torch.int16)
+    return P.contiguous()
 
 
 def _ptr(t):
@@ -351,8 +357,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
         one_wave = S * C <= _warp_slots(ext, kind, bool(bf16), N, sms)
         ramp = _chunk_ramp(chunk, C, T, one_wave)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
-    # tickets, error, flags, and (warp forward) link flags
-    counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
+    # tickets, flags, and (warp forward) link flags
+    counter = torch.zeros(1 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
@@ -369,7 +375,6 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     with torch.cuda.device(device):
         ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
-    return counter
 
 
 def _kind_of(dtype):
