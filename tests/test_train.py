@@ -176,6 +176,32 @@ def test_corrupt_or_missing_checkpoint_errors(tmp_path, accelerator):
         load_checkpoint(accelerator, path, other, torch.optim.AdamW(other.parameters()), sched)
 
 
+def test_checkpoint_of_other_shapes_is_a_checkpoint_error(tmp_path, accelerator):
+    """Same parameter names, other shapes (another width or head count): a CheckpointError naming the tensor, not
+    a RuntimeError from deep inside load_state_dict."""
+    model, opt, sched = _tiny_state()
+    path = save_checkpoint(accelerator, tmp_path / "checkpoints", 1, model, opt, sched, {}, keep_last=1)
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    wider[0].requires_grad_(False)
+    opt2 = torch.optim.AdamW([p for p in wider.parameters() if p.requires_grad])
+    with pytest.raises(CheckpointError, match=r"other shapes.*1.weight \(2, 8\) there, \(3, 8\) here"):
+        load_checkpoint(accelerator, path, wider, opt2, build_scheduler(opt2, 10, 0.1, "cosine"))
+
+
+def test_pruning_keeps_other_runs_checkpoints(tmp_path, accelerator):
+    """keep_last applies to the checkpoints of the run being saved; another run's in the same folder stay."""
+    from llm_surgery.train.checkpoint import checkpoint_run_id
+
+    model, opt, sched = _tiny_state()
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(accelerator, root, step, model, opt, sched, {}, keep_last=1, extra={"run_id": "older"})
+    for step in (3, 4, 5):
+        save_checkpoint(accelerator, root, step, model, opt, sched, {}, keep_last=1, extra={"run_id": "newer"})
+    kept = {p.name: checkpoint_run_id(p) for p in list_checkpoints(root)}
+    assert kept == {"step-00000002": "older", "step-00000005": "newer"}
+
+
 # ---------------------------------------------------------------- evaluation
 
 class _Oracle(torch.nn.Module):
@@ -362,7 +388,7 @@ def test_embedded_default_pretrains_once_and_trains(tmp_path, monkeypatch):
     assert (cached / "config.json").is_file() and (cached / "pretrain.json").is_file()
     stamp = (cached / "model.safetensors").stat().st_mtime_ns
     assert res["steps"] == 2 and set(res["test"]) >= {"iid", "ood", "by_num_ops"}
-    res2 = run(args)
+    res2 = run([*args, "--overwrite"])  # the same output dir: the first run's outputs are replaced, explicitly
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # not pretrained again
     assert res2["test"]["accuracy"] == res["test"]["accuracy"]
 
