@@ -316,6 +316,11 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
     # the metrics gathered from the 2 ranks equal one process evaluating the saved checkpoint alone
     _assert_same_evaluation(evaluate_run(full), res["test"])
+    # a fresh launch into the finished run's directory: every rank refuses, the user reads one line
+    proc = _launch([*common, "--output-dir", str(full)], _env(), expect_ok=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and len(errors) == 1 and "already holds a run" in errors[0], proc.stderr[-3000:]
+    assert json.loads((full / "results.json").read_text()) == res
 
     crashed = tmp_path / "crashed"
     proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
@@ -717,8 +722,9 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
 ])
 def test_bad_trainer_flags_are_refused_at_parse_time(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_config(flags)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+        parse_config(flags, prog="train")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.startswith("train: error: ") and err.count("\n") == 1
 
 
 def test_trainer_flags_that_parse():
@@ -737,6 +743,9 @@ def test_empty_evaluation_sets_and_cpu_float16_are_refused_before_work(tmp_path,
     with pytest.raises(UsageError, match=r"--host-dtype float16 needs a CUDA device"):
         run([*_run_args(tiny_host_dir, out), "--host-dtype", "float16", "--cpu"])
     assert not (out / "config.json").exists() and not (out / "metrics.jsonl").exists()
+    with pytest.raises(UsageError, match=r"surgery refused these settings .* n=3: this host has 2 attention blocks"):
+        run([*_run_args(tiny_host_dir, out), "--n", "3"])  # known once the host is (its config: cheaply) loaded
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):

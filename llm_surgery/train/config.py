@@ -220,6 +220,13 @@ def _none_or(conv):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (the usage of every TrainConfig field would fill a screen)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
+
 def build_parser(defaults: dict | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--flag-name` per TrainConfig field (defaults may be overridden by a recipe)."""
     defaults = dict(defaults or {})
@@ -228,7 +235,7 @@ def build_parser(defaults: dict | None = None, prog: str | None = None) -> argpa
     unknown = set(defaults) - names
     if unknown:
         raise ValueError(f"unknown TrainConfig fields in defaults: {sorted(unknown)}")
-    parser = argparse.ArgumentParser(prog=prog, description="Train inserted sequence mixers in a frozen host "
+    parser = _Parser(prog=prog, description="Train inserted sequence mixers in a frozen host "
                                      "(llm-surgery). Every option has a default; none is required.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
@@ -248,7 +255,7 @@ def build_parser(defaults: dict | None = None, prog: str | None = None) -> argpa
 
 
 def parse_config(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> TrainConfig:
-    """Command line -> validated TrainConfig. Bad values exit with argparse's usage message."""
+    """Command line -> validated TrainConfig. A bad value exits with status 2 and a one-line message."""
     parser = build_parser(defaults, prog)
     ns = parser.parse_args(argv)
     try:

@@ -95,8 +95,13 @@ def host_parameters(cfg) -> tuple[int, str] | None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         source = model_source(cfg.model)
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--model {source}: its config.json does not load "
+                             f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})") from None
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+            model = AutoModelForCausalLM.from_config(config)
         desc = source
     else:
         return None

@@ -26,7 +26,8 @@ LOCK = ".llm-surgery.lock"
 # a run's outputs: any of these makes a fresh run refuse the directory (config.json alone is a run that never
 # started training, and is replaced)
 RUN_OUTPUTS = ("checkpoints", "final", "results.json", "metrics.jsonl", "tensorboard")
-CLEARED_BY_OVERWRITE = RUN_OUTPUTS + ("config.json", "accuracy.png", ".tmp-final")
+CLEARED_BY_OVERWRITE = RUN_OUTPUTS + ("config.json", "accuracy.png", ".tmp-final", ".old-final", ".tmp-results.json",
+                                      ".tmp-config.json")
 
 
 def existing_outputs(out_dir: Path) -> list[str]:

@@ -194,6 +194,9 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
         found = _checks(cfg, accelerator, log)
     except (UsageError, CheckpointError) as e:
         error = e
+    except BaseException:
+        release_lock(lock)
+        raise
     report = (type(error).__name__, str(error)) if error else None
     reports = gather_object([report]) if accelerator.num_processes > 1 else [report]
     first = next((r for r in reports if r), None)
@@ -261,7 +264,10 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     set_seed(cfg.seed)
     model, tokenizer, host_desc = load_host(cfg, accelerator, log)
     set_seed(cfg.seed)
-    insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    try:
+        insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    except (ValueError, TypeError) as e:  # n, positions or mixer option values this host cannot take
+        raise UsageError(f"the surgery refused these settings on {host_desc}: {e}") from e
     if cfg.lora_r:
         add_lora(model, cfg)
     trainable = mark_trainable(model)
