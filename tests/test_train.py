@@ -585,6 +585,11 @@ def test_fresh_run_refuses_a_used_dir_resume_refuses_changed_settings_overwrite_
     assert [checkpoint_run_id(p) for p in list_checkpoints(out / "checkpoints")] == [again["run_id"]]
     assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == 1  # the old log is gone, not appended to
     assert json.loads((out / "config.json").read_text())["max_steps"] == 1
+    stray = out / "checkpoints" / "step-00000000"  # another run's checkpoint in the same folder
+    stray.mkdir()
+    (stray / "state.json").write_text(json.dumps({"run_id": "someone-else"}))
+    with pytest.raises(CheckpointError, match=r"checkpoints of other runs \(someone-else\)"):
+        run(_run_args(tiny_host_dir, out, "--resume", "latest", "--max-steps", "1"))
 
 
 def test_resume_of_a_checkpoint_without_settings_is_refused(tmp_path, accelerator):
@@ -711,6 +716,7 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
 
 @pytest.mark.parametrize("flags, message", [
     (["--lr", "nan"], "lr must be a finite number in (0, inf)"),
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--lr", "0"], "lr must be a finite number in (0, inf)"),
     (["--adam-beta1", "2"], "adam_beta1 must be a finite number in [0, 1)"),
     (["--adam-beta2", "1"], "adam_beta2 must be a finite number in [0, 1)"),
