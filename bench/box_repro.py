@@ -125,6 +125,7 @@ def trainer_config(args, **over):
                        test_max_ops=args.test_max_ops, max_eval_examples=args.max_eval_examples,
                        eval_batch_size=args.eval_batch, seed=args.seed, progress=False, tensorboard=False,
                        plot=False, quick_autotune=True,  # the first Triton config that runs
+                       overwrite=True,  # a rerun into the same --out replaces this script's own runs
                        host_dtype="float32", **over)  # the host exactly as pretrained (autocast does the rest)
 
 
