@@ -2,7 +2,7 @@
 
     python bench/box_data_speed.py [--num-sequences 1000] [--repeats 3]
 
-Prints the machine, the date and examples/s (best of --repeats); the results go to docs/bench/box_data.md.
+Prints the machine, the date and examples/s (best of --repeats); the results go to BENCHMARKS.md.
 """
 
 import argparse

@@ -25,7 +25,7 @@ KINDS = ("pdssm", "mamba2", "deltanet")
 
 #: One H200: 362 s in all (2026-11-22): host 210 s (stopped by its time limit), each kind 43-49 s with
 #: autotuning cut short. The loss is on the completion only: with the loss on every token the host stayed at
-#: 0% exact match after 210 s (docs/bench/train.md).
+#: 0% exact match after 210 s (BENCHMARKS.md).
 GPU = dict(hidden=256, pattern="M*M*M*M*", heads=8, kv_heads=4, rope=True, multipliers="plain", host_steps=3000,
            host_batch=64, host_lr=1e-3, host_sequences=4000, host_loss="completion", steps=400, batch=64, lr=1e-3,
            sequences=1000, max_eval_examples=4000, eval_batch=128, host_eval_every=500, test_max_ops=26,
@@ -125,6 +125,7 @@ def trainer_config(args, **over):
                        test_max_ops=args.test_max_ops, max_eval_examples=args.max_eval_examples,
                        eval_batch_size=args.eval_batch, seed=args.seed, progress=False, tensorboard=False,
                        plot=False, quick_autotune=True,  # the first Triton config that runs
+                       overwrite=True,  # a rerun into the same --out replaces this script's own runs
                        host_dtype="float32", **over)  # the host exactly as pretrained (autocast does the rest)
 
 

@@ -96,7 +96,8 @@ def launch(args, n: int, host: Path, out: Path, mode: str = "ddp") -> dict:
            "--mixed_precision", precision, "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else []),
            args.recipe, "--model", str(host), "--kind", args.kind, "--n", "4", "--max-steps", str(args.steps),
            "--mixed-precision", precision, "--host-dtype", "float32" if args.cpu else "bfloat16",
-           "--output-dir", str(out), "--max-eval-examples", str(args.max_eval_examples), "--no-progress",
+           "--output-dir", str(out), "--overwrite",  # a rerun into the same --out replaces this script's runs
+           "--max-eval-examples", str(args.max_eval_examples), "--no-progress",
            "--log-every", str(max(1, args.steps // 10)), "--quick-autotune",
            *(["--batch-size", str(args.batch_size)] if args.batch_size else []), *(["--fsdp"] if mode == "fsdp"
                                                                                      else []), *args.extra]

@@ -6,7 +6,7 @@ Sections: environment; build time; correctness against a float64 loop (fresh ran
 L in {1,127,128,129,4096,16384}, N in {16,64,128,256}, collision-heavy P, small chunks to stress the look-back);
 D2D copy bandwidth, and a copy of each forward size (the small-size ceiling); forward/backward times and achieved
 must-move bandwidth at B=32, N=128; chunk sweep; per-block clock64 anatomy of the forward; PyTorch associative-scan
-baseline. Prints tables and writes them (plus a JSON) under --out (default $OUT). Results: docs/bench/kernels.md.
+baseline. Prints tables and writes them (plus a JSON) under --out (default $OUT). Results: docs/kernels.md.
 """
 
 from __future__ import annotations

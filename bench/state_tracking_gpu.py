@@ -11,7 +11,7 @@ by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at 
 as one JSON line per run as they finish, and the tables are printed at the end.
 The pdssm options are the CLI's defaults (llm_surgery/bench/state_tracking/train.py: cli_defaults; the
 one-layer sizes in ONE_LAYER_RECIPES); Table 1 also runs the other preset for comparison (--t1-presets).
---t1-variants names pdssm option sets of VARIANTS to compare on Table 1 (session 5's sweep); --mps runs the
+--t1-variants names pdssm option sets of VARIANTS to compare on Table 1 (the Table 1 option sweep); --mps runs the
 processes under NVIDIA MPS; --val-every K validates every K steps on lengths 40..256, as the paper's baselines
 do, and the tables then report the validation-selected weights beside the final ones (--plot-val draws the
 validation curves). See docs/bench/state_tracking.md.
@@ -55,23 +55,22 @@ VARIANTS = {
     "snap+q10+conv1": dict(mixer=dict(unit_snap=0.01, phase_levels=10, conv_kernel=1)),
     "snap+q60+conv1": dict(mixer=dict(PDSSM_PRESETS["tracking"])),  # the tracking preset, by name in the sweep
     "robust+snap+q10": dict(mixer=dict(PDSSM_PRESETS["robust"], unit_snap=0.01, phase_levels=10)),
-    # session 6: weight decay on the linear maps (the baselines' code decays with 1e-2)
+    # weight decay on the linear maps (the baselines' code decays with 1e-2)
     "tracking+wd1e-2": dict(weight_decay=0.01, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+wd1e-1": dict(weight_decay=0.1, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+snap5": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.05)),
     "tracking+snap10": dict(mixer=dict(PDSSM_PRESETS["tracking"], unit_snap=0.1)),
     # b_t scaled by 1 - |D_t|: entries snapped to |D| = 1 take no input, so no state grows with length
-    # (bench/state_growth.py; not yet run on the GPU)
     "tracking+decay": dict(mixer=dict(PDSSM_PRESETS["tracking"], b_gate="decay", x_init_std=1.0)),
-    # session 7: validation judges an average of the weights (horizon ~1000 steps) instead of the live ones, whose
+    # validation judges an average of the weights (horizon ~1000 steps) instead of the live ones, whose
     # length generalisation swings by tens of points between checks
     "tracking+ema999": dict(ema_decay=0.999, mixer=dict(PDSSM_PRESETS["tracking"])),
-    # session 8: a larger Adam epsilon, so that steps shrink once the loss (and the gradients) are ~0 instead of
+    # a larger Adam epsilon, so that steps shrink once the loss (and the gradients) are ~0 instead of
     # moving the weights at the full learning rate on gradient noise
     "tracking+eps1e-6": dict(adam_eps=1e-6, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+eps1e-5": dict(adam_eps=1e-5, mixer=dict(PDSSM_PRESETS["tracking"])),
     "tracking+eps1e-4": dict(adam_eps=1e-4, mixer=dict(PDSSM_PRESETS["tracking"])),
-    # = the "automaton" preset (the CLI default for >= 2 layers since session 8), by name in the sweep
+    # = the "automaton" preset (the CLI default for >= 2 layers), by name in the sweep
     "tracking+decay+eps1e-6": dict(PRESET_TRAINING["automaton"], mixer=dict(PDSSM_PRESETS["automaton"])),
 }
 
@@ -165,8 +164,8 @@ def with_time_limits(cfgs: list[TrainConfig], budget: float, jobs: int, reserve:
 
 def start_mps() -> bool:
     """Start NVIDIA's MPS daemon (if this machine has it) before any CUDA work: without it the GPU time-slices
-    between the runs' processes, one at a time; with it their small kernels run side by side (session 5, H200:
-    16 graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned
+    between the runs' processes, one at a time; with it their small kernels run side by side (H200,
+    2026-11-22: 16 graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned
     workers inherit the pipe directory. False (and the environment left as it was) where MPS is missing or a
     CUDA client cannot start under it."""
     control = shutil.which("nvidia-cuda-mps-control")
@@ -333,7 +332,7 @@ def parse_args(argv=None):
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--eval-batch", type=int, default=256,
-                    help="sequences per eval length (session 5: 40 processes with 512 ran an H200 out of "
+                    help="sequences per eval length (40 processes with 512 ran an H200 out of "
                          "memory, 24 with 256 did not)")
     ap.add_argument("--t1-pdssm-seeds", type=int, default=2)
     ap.add_argument("--t1-other-seeds", type=int, default=1)

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--procs", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--modes", default="eager,graphed")
-    ap.add_argument("--preset", default="layer", help="pdssm options (session 5's table: layer, the fused path)")
+    ap.add_argument("--preset", default="layer", help="pdssm options (BENCHMARKS.md's table: layer, the fused path)")
     args = ap.parse_args()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {when}")

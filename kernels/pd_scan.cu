@@ -15,7 +15,7 @@
 // Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
 // A second forward, pd_fwd_warp_kernel (one warp per chunk, the scatter done as a gather over per-step lists,
 // O(N) shared memory, inputs streamed from device memory), runs the same three phases; it is the faster one for
-// N <= 256, and cuda.py picks between them by size (docs/bench/kernels.md). Its replay re-reads the chunk, except
+// N <= 256, and cuda.py picks between them by size (docs/kernels.md). Its replay re-reads the chunk, except
 // where the chunk's composed map collapses: then phase 1 writes the zero-state outputs and logs the entering
 // state's path on the collapsed support, and the replay stops after 16 steps and repairs from the log. Its
 // look-back crosses runs of collapsed chunks through links, a few numbers a chunk (complex fp32, see link_words).
@@ -350,18 +350,12 @@ __device__ __forceinline__ void publish_flag(int* flag, int v) {
   if (threadIdx.x == 0) atomicExch(flag, v);
 }
 
-// Out-of-range indices (a contract violation) become 0 and raise the error flag: no shared-memory access
-// ever leaves the state. Done once per block on the staged chunk, so the step loops index without checks.
-// Called after the chunk is visible to all threads; the caller's next barrier publishes the fixes.
-__device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N, int* err) {
-  bool bad = false;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    if (static_cast<unsigned>(sP[i]) >= static_cast<unsigned>(N)) {
-      sP[i] = 0;
-      bad = true;
-    }
-  }
-  if (bad) atomicOr(err, 1);
+// Out-of-range indices (a contract violation: the Python entry points check P where asked) become 0, so no
+// shared-memory access ever leaves the state. Done once per block on the staged chunk, so the step loops index
+// without checks. Called after the chunk is visible to all threads; the caller's next barrier publishes the fixes.
+__device__ __forceinline__ void sanitize_idx(Idx* sP, int count, int N) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x)
+    if (static_cast<unsigned>(sP[i]) >= static_cast<unsigned>(N)) sP[i] = 0;
 }
 
 
@@ -444,8 +438,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
 
   __shared__ uint64_t s_bar;
   const Chunk ch = claim_chunk(a, false, &s_bar);
@@ -470,7 +463,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
-    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N);
     if (threadIdx.x == 0) s_fast = (c == 0) ? 1 : ready(flags + static_cast<size_t>(q) * C + c - 1);
     __syncthreads();
   }
@@ -610,10 +603,10 @@ __host__ __device__ __forceinline__ int warp_entries(int N) {   // E: entries pe
 }
 // The repair: phase 1 logs the entering state's support from the first step kc in [REPAIR_EARLIEST, REPAIR_LATEST]
 // (and <= T - 8) at which it has collapsed to <= 32 entries, and the replay stops there (chunks of REPAIR_MIN_T to
-// REPAIR_MAX_T steps: a log entry keeps its step, 0-511, in 9 bits; 384 until session 27, whose many-wave chunks run
-// up to 512). Until session 23 the check ran at step 16 alone:
+// REPAIR_MAX_T steps: a log entry keeps its step, 0-511, in 9 bits; many-wave chunks run up
+// to 512). A check at step 16 alone did worse:
 // checking from step 5 halved the replay at N=128 (0-4% faster), and up to step 32 logs the 4-6% of N=256 chunks
-// that collapse later, whose full replays had set the kernel's end (7-30% faster; docs/bench/kernels.md, session 24).
+// that collapse later, whose full replays had set the kernel's end (7-30% faster; docs/kernels.md).
 constexpr int REPAIR_EARLIEST = 5;
 constexpr int REPAIR_LATEST = 32;
 constexpr int REPAIR_MIN_T = 24;
@@ -634,7 +627,7 @@ __host__ __device__ constexpr int warp_list_bytes(int M, int asize) {
 // chunk with k <= 32 publishes u and, per rank of its predecessor, where it goes with which factor, as soon as
 // its predecessor's aggregate is out, and a look-back crosses a run of such chunks with one application, then
 // per chunk a few shuffles across the ranks, then one scatter of k sums, where it applied every aggregate to the
-// whole state (~2.5k cycles each; the chunks late in a one-wave sequence applied up to 62, docs/bench/kernels.md).
+// whole state (~2.5k cycles each; the chunks late in a one-wave sequence applied up to 62, docs/kernels.md).
 // A chunk's record, in 4-byte words: [0] k (0: more than 32 entries), [4 + r] p_r, [36 + r] a word: the first
 // predecessor rank sent to rank r (bits 0-5; 32: none), the next predecessor rank sent where rank r of the
 // predecessor goes (bits 8-13; 32: none), k (bits 16-21); then A values: [68 ..] the factor of the predecessor's
@@ -761,8 +754,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const int N = a.N, C = a.C;
   const int lane = threadIdx.x;
   const int pad = lane % N;   // where padding entries point
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
   int* head = reinterpret_cast<int*>(smem);                     // [2][M]: byte offset of a list's first slot
   constexpr int slots_at = 2 * M * 4;
   Slot* slots = reinterpret_cast<Slot*>(smem + slots_at);       // [2][M]
@@ -776,7 +768,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
   // the repair's scratch (see REPAIR_EARLIEST)
   constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
-  // real bf16's phase 1 slowed down with log code that it did not run (docs/bench/kernels.md, sessions 22-23): it
+  // real bf16's phase 1 slowed down with log code that it did not run (docs/kernels.md): it
   // runs in two copies of the step loop, with and without the log (see there)
   constexpr bool kRealBf16 = K == REAL && sizeof(In) == 2;
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
@@ -807,9 +799,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const bool fast = s_fast;
   if (prof && lane == 0) prof_staged(prof);
   auto live = [&](int j) { return 32 * j + lane < N; };
-  // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state, and the
-  // largest raw value kept to report a contract violation once at the end
-  unsigned pmax = 0;
+  // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state
   using StepIn = WarpStepIn<A, E>;
   // element j of a step's row (0 past N): planes already offset to the lane's first entry of the row
   auto gload = [&](const void* re, const void* im, int j) -> A {
@@ -856,7 +846,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
     constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
     // (only in launches without a repair log: chunks that are logged read each row once, and there the prefetch
-    // cost 3% in session 18)
+    // cost 3%)
     if (l2_ahead > 0 && a.rcap == 0 && k + l2_ahead < Tc) {
       prefetch_inputs(row0 + static_cast<size_t>(k + l2_ahead) * N, N,
                       [&](const void* p, int bytes) { l2_prefetch_row(p, bytes, lane); });
@@ -878,7 +868,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     int* hd = head + bp * M;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      pmax = max(pmax, static_cast<unsigned>(dest[j]));
       dest[j] = min(static_cast<unsigned>(dest[j]), static_cast<unsigned>(N - 1));
       old[j] = atomicExch(&hd[dest[j]], slot_off(bp, lane + 32 * j));
     }
@@ -936,7 +925,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   // the look-back's links (see link_words): the complex fp32 forms at 65-128 entries (E = 4) only, where they
   // were measured faster. Compiled into the others they moved the step loop's register allocation: phase 1 up to
   // 22% slower with bf16, real float32 up to 6% slower at L <= 2048 and no faster at L=16384, and the complex
-  // step loops at E = 1, 2, 8 grew by 1-12% in SASS, not timed (docs/bench/kernels.md, session 20)
+  // step loops at E = 1, 2, 8 grew by 1-12% in SASS, not timed (docs/kernels.md)
   constexpr bool kLinks = sizeof(In) == 4 && K != REAL && E == 4;
   int* lflags = flags + static_cast<size_t>(a.S) * C + static_cast<size_t>(q) * C;   // this sequence's link flags
   constexpr int LW = link_words(sizeof(A));
@@ -1179,7 +1168,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
     // phase 1's row {D_k, P_k} of entry i in parity rp. bf16 inputs keep D's bf16 bits (exact), so a row takes 8
     // bytes (split) or 4 (real) where a {D, P} slot takes 16 or 8: the rows' stores and gathers cost half the
-    // shared-memory wavefronts (split bf16 3-4% faster, real bf16 ~2%; docs/bench/kernels.md, session 25)
+    // shared-memory wavefronts (split bf16 3-4% faster, real bf16 ~2%; docs/kernels.md)
     auto put_row = [&](int rp, int i, A dv, int p) {
       if constexpr (sizeof(In) == 2 && K == SPLIT)
         reinterpret_cast<uint2*>(rows)[rp * M + i] =
@@ -1430,7 +1419,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     };
     // without links (not a complex fp32 form, short chunks, or a chunk that has no small image itself: where maps
     // do not merge no chunk has one, and nobody waits for their flags) the aggregates are applied two at a time,
-    // their loads issued together. This is session 19's loop as it was: through load_agg/load_y it moved the
+    // their loads issued together. This loop stays separate: through load_agg/load_y it moved the
     // registers of the forms without links (E <= 2) and their step loops grew by up to 9%.
     if (!links || kimg > 32) {
       constexpr int LBW = E >= 8 ? 1 : (E >= 4 ? 2 : 4);
@@ -1554,7 +1543,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       if (live(j)) incl[cbase + lane + 32 * j] = x[j];
     publish_flag(flags + static_cast<size_t>(q) * C + c, 2);
   }
-  if (__any_sync(0xffffffffu, pmax >= static_cast<unsigned>(N)) && lane == 0) atomicOr(err, 1);
   if (prof && lane == 0) prof[5] = clock64();
 }
 
@@ -1569,8 +1557,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   const int Np = blockDim.x;
   const int m = threadIdx.x;
   const bool act = m < N;
-  int* err = a.counter + 1;
-  int* flags = a.counter + 2;
+  int* flags = a.counter + 1;
 
   __shared__ uint64_t s_bar;
   const Chunk ch = claim_chunk(a, true, &s_bar);   // last chunk first
@@ -1597,7 +1584,7 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
-    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N, err);
+    sanitize_idx(const_cast<Idx*>(sP), Tc * N, N);
     if (threadIdx.x == 0) s_fast = (c == C - 1) ? 1 : ready(flags + static_cast<size_t>(q) * C + c + 1);
     __syncthreads();
   }

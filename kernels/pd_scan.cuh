@@ -12,7 +12,7 @@ struct ScanArgs {
   void *out_re, *out_im, *out2_re, *out2_im;
   const void* x0;   // fp32 (float or float2 interleaved), [S, N], may be null
   void* gx0;        // backward: fp32 grad_x0 [S, N], may be null
-  int* counter;     // [2 + S*C]: ticket counter, error flag, flags; the warp forward: S*C link flags after them
+  int* counter;     // [1 + S*C]: ticket counter, then flags; the warp forward: S*C link flags after them
   int* agg_pi;      // [S*C*N]: the chunk aggregates' column maps (the warp forward keeps them as sorted
                     // (dest << 16 | source) keys)
   void* agg_d;      // [S*C*N] A

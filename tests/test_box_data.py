@@ -238,8 +238,9 @@ def test_cli_generate_files_card_and_datasets(tmp_path, monkeypatch):
                                                           "test_disjoint_vocab": 126}
 
 
-@pytest.mark.parametrize("extra", [["--num-sequences", "-3"], ["--train-max-ops", "9", "--test-max-ops", "8"],
-                                   ["--out-file-parent"]])
+@pytest.mark.parametrize("extra", [["--num-sequences", "-3"], ["--num-sequences", "0"],
+                                   ["--split-sequences", "0", "0", "0"],
+                                   ["--train-max-ops", "9", "--test-max-ops", "8"], ["--out-file-parent"]])
 def test_cli_bad_input_fails_before_work(tmp_path, capsys, extra):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -250,6 +251,7 @@ def test_cli_bad_input_fails_before_work(tmp_path, capsys, extra):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and ("num_sequences" in err or "test_max_ops" in err or "not writable" in err)
+    assert "0" not in extra or "nothing to generate" in err   # zero sequences: refused, not empty files
     assert not (tmp_path / "out").exists()
 
 
@@ -289,7 +291,7 @@ def test_score_hand_written_cases():
     assert result["accuracy"] == 13 / 14 and result["state_accuracy"] == 0.5
     assert result["ood"]["state_accuracy"] == 0.0 and result["ood"]["accuracy"] == 6 / 7
     # a mapping by id, and an incomplete group is not a state
-    by_id = {r["id"]: p for r, p in zip(records, right + right)}
+    by_id = {r["id"]: p for r, p in zip(records[:10], right + right)}
     result = score(records[:10], by_id)
     assert result["accuracy"] == 1.0 and result["num_states"] == 1
     assert result["ood"]["num_states"] == 0 and result["ood"]["state_accuracy"] is None
@@ -310,6 +312,85 @@ def test_cli_score(tmp_path, capsys):
     assert metrics["accuracy"] == 13 / 14 and metrics["iid"]["state_accuracy"] == 1.0
     assert metrics["ood"]["state_accuracy"] == 0.0
     assert json.loads(capsys.readouterr().out) == metrics
+
+
+def test_score_joins_on_id_and_names_bad_ids():
+    """A mapping is joined on id: a record without a prediction, a prediction for no record (another split's
+    file, say), records sharing an id and a non-string prediction are errors naming the id; a list must match the
+    records' count."""
+    records = _records([("s", 0, [" is empty"] * 7)])
+    preds = {r["id"]: " is empty" for r in records}
+    assert score(records, preds)["accuracy"] == 1.0
+    with pytest.raises(ValueError, match=r"1 record\(s\) have no prediction \(first: id 's/0/3'\)"):
+        score(records, {k: v for k, v in preds.items() if k != "s/0/3"})
+    with pytest.raises(ValueError, match=r"id that is in no record \(first: 't/1/0'\)"):
+        score(records, {**preds, "t/1/0": " is empty"})
+    with pytest.raises(ValueError, match=r"records 1 and 8 share the id 's/0/0'"):
+        score(records + records[:1], preds)
+    with pytest.raises(TypeError, match=r"prediction for id 's/0/2' must be a string, got int"):
+        score(records, {**preds, "s/0/2": 3})
+    with pytest.raises(ValueError, match="got 6 predictions for 7 records"):
+        score(records, [" is empty"] * 6)
+    with pytest.raises(ValueError, match=r"record 2 \(id 's/0/1'\): missing field 'target'"):
+        score([records[0], {k: v for k, v in records[1].items() if k != "target"}], [" is empty"] * 2)
+
+
+def _score_cli(tmp_path, capsys, data_lines, pred_lines, data=None, preds=None):
+    """Runs `score` on the given JSON Lines; returns (exit code, stdout, stderr)."""
+    data = data or tmp_path / "d.jsonl"
+    preds = preds or tmp_path / "p.jsonl"
+    if data_lines is not None:
+        data.write_text("".join(line + "\n" for line in data_lines))
+    if pred_lines is not None:
+        preds.write_text("".join(line + "\n" for line in pred_lines))
+    try:
+        code = cli_main(["score", "--data", str(data), "--predictions", str(preds)])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_score_aligns_on_id_and_refuses_bad_prediction_files(tmp_path, capsys):
+    """The 13.8% case: ids on every line but one used to switch to alignment by position. Every such file is now
+    a one-line error (exit code 2) naming the file and line or the id: a line without id among lines with ids,
+    duplicate, missing and unknown ids, bad JSON, a line without 'prediction', a directory given as a file, a
+    data record without a field. Without any id, lines align by position when the counts match."""
+    records = _records([("s", 0, [" is empty"] * 7), ("s", 8, [" contains the cup"] + [" is empty"] * 6)])
+    data = [json.dumps(r) for r in records]
+    rows = [{"id": r["id"], "prediction": r["target"]} for r in records]
+    lines = [json.dumps(p) for p in reversed(rows)]   # in another order than the data: joined on id
+    code, out, _ = _score_cli(tmp_path, capsys, data, lines)
+    assert code == 0 and json.loads(out)["accuracy"] == 1.0
+    no_id = lines[:5] + [json.dumps({"prediction": rows[-6]["prediction"]})] + lines[6:]
+    bad = {
+        "an id on all lines but one": (no_id, r"p.jsonl, line 6: needs a string 'id' \(line 1 has one"),
+        "a duplicate id": (lines + [lines[3]], r"p.jsonl, line 15: duplicate id 's/8/3' \(also on line 4\)"),
+        "a missing id": (lines[1:], r"1 record\(s\) have no prediction \(first: id 's/8/6'\)"),
+        "an unknown id": (lines + [json.dumps({"id": "x/0/0", "prediction": " is empty"})],
+                          r"id that is in no record \(first: 'x/0/0'\)"),
+        "bad JSON": (lines[:2] + ["{'id': 1}"] + lines[2:], r"p.jsonl, line 3: not valid JSON"),
+        "no prediction field": (lines[:4] + [json.dumps({"id": rows[9]["id"]})] + lines[5:],
+                                r"p.jsonl, line 5: expected a JSON string or an object with a string 'prediction'"),
+        "too few lines without ids": ([json.dumps(r["target"]) for r in records[1:]], "got 13 predictions for 14"),
+    }
+    for what, (pred_lines, msg) in bad.items():
+        code, out, err = _score_cli(tmp_path, capsys, data, pred_lines)
+        assert code == 2 and out == "", what
+        assert err.count("\n") == 1 and err.startswith("llm-surgery-box score: error: "), (what, err)
+        assert re.search(msg, err), (what, err)
+    plain = [json.dumps(r["target"]) for r in records[:-1]] + [json.dumps({"prediction": " is empty"})]
+    code, out, _ = _score_cli(tmp_path, capsys, data, plain)   # no ids at all: by position
+    assert code == 0 and json.loads(out)["accuracy"] == 1.0
+    (tmp_path / "dir").mkdir()
+    for args in (dict(preds=tmp_path / "dir"), dict(data=tmp_path / "dir")):
+        code, _, err = _score_cli(tmp_path, capsys, None, None, **args)
+        assert code == 2 and err.count("\n") == 1 and "Is a directory" in err, err
+    no_target = data[:2] + [json.dumps({k: v for k, v in records[2].items() if k != "target"})] + data[3:]
+    code, _, err = _score_cli(tmp_path, capsys, no_target, lines)
+    assert code == 2 and "d.jsonl: record 3 (id 's/0/2'): missing field 'target'" in err, err
+    code, _, err = _score_cli(tmp_path, capsys, data[:1] + ["[1,"], lines)
+    assert code == 2 and "d.jsonl, line 2: not valid JSON" in err, err
 
 
 # ---------------------------------------------------------------- tokenizer, collation, decoding

@@ -124,6 +124,35 @@ def test_errors():
         layer(torch.randn(2, 5, 48), state=(None, torch.zeros(2, 3, 12, dtype=torch.complex64)))
 
 
+def test_sizes_that_do_not_divide_and_bad_tau_are_refused_up_front():
+    """Sizes that do not fit used to be bent silently (head_dim=10 at width 48 became 12; num_heads=4 with
+    head_dim=8 dropped head_dim; 0 meant the default) or failed deep in torch (negatives); tau <= 0 or nan was
+    taken and failed, or trained on nan, only at the first training step. Now each is a ValueError naming it, in
+    the constructor and wherever tau is set later (set_tau and schedules assign the attribute)."""
+    for kw, msg in ((dict(head_dim=10), r"num_heads \* head_dim must equal expand\*hidden_size=48"),
+                    (dict(num_heads=4, head_dim=8), r"num_heads \* head_dim must equal"),
+                    (dict(head_dim=100), r"num_heads \* head_dim must equal"),
+                    (dict(state_size=0), "state_size must be a positive int"),
+                    (dict(dict_size=-1), "dict_size must be a positive int"),
+                    (dict(expand=0), "expand must be a positive int"),
+                    (dict(conv_kernel=0), "conv_kernel must be a positive int")):
+        with pytest.raises(ValueError, match=msg):
+            FlashPDSSM(48, **kw)
+    assert FlashPDSSM(48, num_heads=4, head_dim=12).head_dim == 12
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "0.5"):
+        with pytest.raises(ValueError, match="tau must be a positive finite number"):
+            FlashPDSSM(48, tau=bad)
+    layer = FlashPDSSM(48, tau=0.5)
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="tau must be a positive finite number"):
+            layer.tau = bad
+    assert layer.tau == 0.5
+    layer.tau = 1
+    assert layer.tau == 1.0 and isinstance(layer.tau, float)
+    with pytest.raises(ValueError, match="tau_schedule"):
+        tau_schedule(5, 10, 1.0, 0.0)
+
+
 def test_bf16_autocast_keeps_the_scan_in_float32():
     torch.manual_seed(0)
     layer = FlashPDSSM(64, num_heads=4)

@@ -357,3 +357,45 @@ def test_bad_inputs_raise_clear_errors():
         K.pd_scan_fwd_cuda(P600, D600.float(), b600.float(), algo="warp")
     with pytest.raises(ValueError, match="CUDA tensor"):
         K.pd_scan_fwd_cuda(P.cpu(), D.float(), b.float())
+
+
+def test_pd_scan_refuses_out_of_range_p_on_cuda():
+    """On the GPU as on the CPU, pd_scan and pd_scan_backward refuse P outside [0, N) before the int16 cast (the
+    kernels used to clamp such values silently, and int64 2**16 + 1 wrapped to the valid index 1); the CUDA entry
+    points' validate=True does the same, and without it a wide value is never narrowed into range."""
+    K = _cuda()
+    from llm_surgery.ops.pd_scan import pd_scan, pd_scan_backward
+    P, D, b, x0, _ = _inputs(2, 40, 16, True, seed=21)
+    D, b, x0 = (t.to(torch.complex64) for t in (D, b, x0))
+    for bad in (16, -1, 2 ** 15, 2 ** 16 + 1):
+        Pb = P.clone()
+        Pb[1, 7, 3] = bad
+        with pytest.raises(ValueError, match=r"\[0, N=16\)"):
+            pd_scan(Pb, D, b, x0)
+        with pytest.raises(ValueError, match=r"\[0, N=16\)"):
+            pd_scan_backward(Pb, D, x0, b, b)
+        with pytest.raises(ValueError, match=r"\[0, N=16\)"):
+            K.pd_scan_fwd_cuda(Pb, D, b, x0, validate=True)
+        assert not 0 <= int(K._idx(Pb, 16, False)[1, 7, 3]) < 16, bad
+    ref = _naive(P, D.to(torch.complex128), b.to(torch.complex128), x0.to(torch.complex128))
+    assert _rel(pd_scan(P, D, b, x0), ref) < 1e-5
+
+
+def test_pd_scan_without_the_range_check_has_no_host_sync():
+    """check_values=False (the layers' argmax paths) keeps pd_scan free of host syncs: it is captured in a CUDA
+    graph (where a sync is refused) and replays the eager result."""
+    _cuda()
+    from llm_surgery.ops.pd_scan import pd_scan
+    P, D, b, x0, _ = _inputs(4, 300, 32, True, seed=22)
+    Pk, Dk, bk, x0k = P.to(torch.int16), D.to(torch.complex64), b.to(torch.complex64), x0.to(torch.complex64)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):   # outside the capture: the kernel build and this shape's chunk table
+        eager = pd_scan(Pk, Dk, bk, x0k)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x = pd_scan(Pk, Dk, bk, x0k, check_values=False)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(x, eager.to(torch.complex128)) < 1e-6

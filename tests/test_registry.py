@@ -80,3 +80,19 @@ def test_build_pdssm():
     m = build_mixer("pdssm", 256)
     assert type(m).__name__ == "FlashPDSSM" and hasattr(m, "out_proj")
 
+
+
+@pytest.mark.parametrize("kind", MIXER_KINDS)
+def test_attention_mask_must_be_bool_or_zero_one(kind):
+    """Every mixer multiplies its inputs by the padding mask, so a 2, 0.5 or -1 would scale a token with no error:
+    such masks are refused naming the value; bool, 0/1 integer and 0/1 float masks give the same output."""
+    torch.manual_seed(0)
+    m = build_mixer(kind, 32)
+    x = torch.randn(2, 5, 32)
+    ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    ref = m(x, attention_mask=ok)
+    for same in (ok.bool(), ok.float()):
+        assert torch.allclose(m(x, attention_mask=same), ref)
+    for bad, shown in ((ok * 2, "2"), (ok * 0.5, "0.5"), (-ok, "-1")):
+        with pytest.raises(ValueError, match=rf"attention_mask must hold only 0 \(padding\) and 1 .* found {shown}"):
+            m(x, attention_mask=bad)

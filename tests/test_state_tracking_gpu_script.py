@@ -77,7 +77,7 @@ def test_summary_tables(tmp_path):
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}}}) == "pdssm (layer preset)"
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": {}, "name": "snap"}}) == "pdssm (snap)"
     # a row of an earlier sweep: the automaton preset's mixer options without its Adam epsilon, or the tracking
-    # options alone (the default before session 8), is not the default
+    # options alone (the earlier default), is not the default
     automaton = dict(gpu.PDSSM_PRESETS["automaton"])
     assert gpu.model_name({**rows[0], "config": {"n_layers": 2, "mixer": automaton}}) == "pdssm (tracking preset)"
     tracking = dict(gpu.PDSSM_PRESETS["tracking"])
@@ -146,19 +146,6 @@ def test_plot_of_validation_against_step(tmp_path):
     out = tmp_path / "val.png"
     gpu.plot_validation(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
-
-
-def test_state_growth_script_reports_state_norms_per_layer_and_head(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(_PATH.parent))  # it imports its sibling's VARIANTS, as when run as a script
-    spec = importlib.util.spec_from_file_location("state_growth", _PATH.parent / "state_growth.py")
-    growth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(growth)
-    growth.main(["--variant", "tracking+decay", "--task", "parity", "--seconds", "1", "--batch-size", "8"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["variant"] == "tracking+decay" and out["steps"] >= 1 and set(out["acc"]) >= {"40", "256"}
-    for key in ("state_norm_40", "state_norm_256"):  # 2 layers x 4 heads, norms of complex states
-        assert len(out[key]) == 2 and all(len(h) == 4 and all(v >= 0 for v in h) for h in out[key])
-    assert out["state_norm_40"] != out["state_norm_256"]
 
 
 def test_a_sweep_longer_than_one_call_pauses_and_continues(tmp_path, capsys):

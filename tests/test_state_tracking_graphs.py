@@ -89,7 +89,7 @@ def test_graphed_training_matches_eager(kind, preset):
     """Whole trajectories agree where the model is smooth in its parameters. Not asserted for the tracking and
     automaton presets: phases rounded to a grid and magnitudes clamped at 1 make a trajectory jump when float rounding
     moves a phase across a rounding boundary (an H200 showed eager and graphed runs 1.4% apart in loss
-    after 11 steps while two eager runs agreed exactly: bench/graph_divergence.py)."""
+    after 11 steps while two eager runs agreed exactly)."""
     task = get_task("cycle_navigation")
     eager, graphed = _pair(kind, preset, task)
     runs = (eager, graphed)

@@ -176,6 +176,32 @@ def test_corrupt_or_missing_checkpoint_errors(tmp_path, accelerator):
         load_checkpoint(accelerator, path, other, torch.optim.AdamW(other.parameters()), sched)
 
 
+def test_checkpoint_of_other_shapes_is_a_checkpoint_error(tmp_path, accelerator):
+    """Same parameter names, other shapes (another width or head count): a CheckpointError naming the tensor, not
+    a RuntimeError from deep inside load_state_dict."""
+    model, opt, sched = _tiny_state()
+    path = save_checkpoint(accelerator, tmp_path / "checkpoints", 1, model, opt, sched, {}, keep_last=1)
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    wider[0].requires_grad_(False)
+    opt2 = torch.optim.AdamW([p for p in wider.parameters() if p.requires_grad])
+    with pytest.raises(CheckpointError, match=r"other shapes.*1.weight \(2, 8\) there, \(3, 8\) here"):
+        load_checkpoint(accelerator, path, wider, opt2, build_scheduler(opt2, 10, 0.1, "cosine"))
+
+
+def test_pruning_keeps_other_runs_checkpoints(tmp_path, accelerator):
+    """keep_last applies to the checkpoints of the run being saved; another run's in the same folder stay."""
+    from llm_surgery.train.checkpoint import checkpoint_run_id
+
+    model, opt, sched = _tiny_state()
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(accelerator, root, step, model, opt, sched, {}, keep_last=1, extra={"run_id": "older"})
+    for step in (3, 4, 5):
+        save_checkpoint(accelerator, root, step, model, opt, sched, {}, keep_last=1, extra={"run_id": "newer"})
+    kept = {p.name: checkpoint_run_id(p) for p in list_checkpoints(root)}
+    assert kept == {"step-00000002": "older", "step-00000005": "newer"}
+
+
 # ---------------------------------------------------------------- evaluation
 
 class _Oracle(torch.nn.Module):
@@ -290,6 +316,11 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
     # the metrics gathered from the 2 ranks equal one process evaluating the saved checkpoint alone
     _assert_same_evaluation(evaluate_run(full), res["test"])
+    # a fresh launch into the finished run's directory: every rank refuses, the user reads one line
+    proc = _launch([*common, "--output-dir", str(full)], _env(), expect_ok=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and len(errors) == 1 and "already holds a run" in errors[0], proc.stderr[-3000:]
+    assert json.loads((full / "results.json").read_text()) == res
 
     crashed = tmp_path / "crashed"
     proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
@@ -362,7 +393,7 @@ def test_embedded_default_pretrains_once_and_trains(tmp_path, monkeypatch):
     assert (cached / "config.json").is_file() and (cached / "pretrain.json").is_file()
     stamp = (cached / "model.safetensors").stat().st_mtime_ns
     assert res["steps"] == 2 and set(res["test"]) >= {"iid", "ood", "by_num_ops"}
-    res2 = run(args)
+    res2 = run([*args, "--overwrite"])  # the same output dir: the first run's outputs are replaced, explicitly
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # not pretrained again
     assert res2["test"]["accuracy"] == res["test"]["accuracy"]
 
@@ -519,3 +550,277 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the launched process's child outlived the timeout")
+
+
+# ---------------------------------------------------------------- nothing lost, nothing mixed
+
+def _run_args(host, out, *extra):
+    return ["--model", str(host), "--kind", "mamba2", "--max-steps", "2", "--save-every", "1", "--keep-last", "5",
+            "--output-dir", str(out), *SMALL, "--test-max-ops", "8", "--max-eval-examples", "30", "--no-tensorboard",
+            *extra]
+
+
+def test_fresh_run_refuses_a_used_dir_resume_refuses_changed_settings_overwrite_clears(tmp_path, tiny_host_dir):
+    """A second fresh run into a run's directory refuses (naming --resume and --overwrite) and changes nothing; a
+    resume with other settings refuses with every difference and leaves config.json alone; --overwrite replaces
+    the earlier run (a new run id, none of its checkpoints left)."""
+    from llm_surgery.train import run
+    from llm_surgery.train.checkpoint import checkpoint_run_id
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.outputs import LOCK
+
+    out = tmp_path / "run"
+    first = run(_run_args(tiny_host_dir, out))
+    before = {p: p.read_bytes() for p in (out / "results.json", out / "config.json", out / "metrics.jsonl")}
+    assert {checkpoint_run_id(p) for p in list_checkpoints(out / "checkpoints")} == {first["run_id"]}
+    with pytest.raises(UsageError, match=r"already holds a run.*--resume latest.*--overwrite"):
+        run(_run_args(tiny_host_dir, out, "--lr", "0.5"))
+    with pytest.raises(CheckpointError, match=r"settings differ.*batch_size: 4 -> 2; lr: 0.001 -> 0.002"):
+        run(_run_args(tiny_host_dir, out, "--resume", "latest", "--lr", "0.002", "--batch-size", "2"))
+    assert {p: p.read_bytes() for p in before} == before  # nothing written by the refused runs
+    assert not (out / LOCK).exists()  # released by the refused runs too
+
+    again = run(_run_args(tiny_host_dir, out, "--overwrite", "--max-steps", "1"))
+    assert again["run_id"] != first["run_id"] and again["steps"] == 1
+    assert [checkpoint_run_id(p) for p in list_checkpoints(out / "checkpoints")] == [again["run_id"]]
+    assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == 1  # the old log is gone, not appended to
+    assert json.loads((out / "config.json").read_text())["max_steps"] == 1
+    stray = out / "checkpoints" / "step-00000000"  # another run's checkpoint in the same folder
+    stray.mkdir()
+    (stray / "state.json").write_text(json.dumps({"run_id": "someone-else"}))
+    with pytest.raises(CheckpointError, match=r"checkpoints of other runs \(someone-else\)"):
+        run(_run_args(tiny_host_dir, out, "--resume", "latest", "--max-steps", "1"))
+
+
+def test_resume_of_a_checkpoint_without_settings_is_refused(tmp_path, accelerator):
+    from llm_surgery.train.outputs import check_resume
+
+    with pytest.raises(CheckpointError, match="records no run settings"):
+        check_resume({"step": 2, "world_size": 1}, TrainConfig(), 1, tmp_path)
+    saved = TrainConfig().resume_settings(1)
+    assert check_resume({"run_id": "abc", "settings": saved}, TrainConfig(log_every=3, output_dir="x"), 1,
+                        tmp_path) == "abc"  # logging and places may change
+    with pytest.raises(CheckpointError, match=r"world_size: 1 -> 2"):
+        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 2, tmp_path)
+
+
+def test_lock_refuses_a_second_process_and_takes_over_a_stale_one(tmp_path, tiny_host_dir):
+    from llm_surgery.train import run
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.outputs import LOCK, acquire_lock, release_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK).write_text(json.dumps({"pid": other.pid, "host": __import__("socket").gethostname()}))
+        with pytest.raises(UsageError, match=rf"in use by process {other.pid} on this host"):
+            run(_run_args(tiny_host_dir, out))
+        assert not (out / "config.json").exists()
+        assert json.loads((out / LOCK).read_text())["pid"] == other.pid  # another process's lock is left alone
+    finally:
+        other.kill()
+        other.wait()
+    said = []
+    lock = acquire_lock(out, log=said.append)  # that process is gone: a stale lock
+    assert "stale lock" in said[0] and json.loads(lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(UsageError, match="in use by process"):
+        acquire_lock(out)  # held by this process now
+    release_lock(lock)
+    assert not lock.exists()
+    (out / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    with pytest.raises(UsageError, match="on host elsewhere"):
+        acquire_lock(out)
+
+
+def test_final_is_saved_before_evaluation(tmp_path, tiny_host_dir, monkeypatch):
+    """An evaluation that fails loses no training: final/ is already written (and no results.json claims
+    anything)."""
+    from llm_surgery.train import run, trainer
+    from llm_surgery.train.outputs import LOCK
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+    monkeypatch.setattr(trainer, "evaluate", broken)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        run(_run_args(tiny_host_dir, out, "--save-every", "0"))
+    assert (out / "final" / "inserted.safetensors").is_file() and (out / "final" / "inserted.json").is_file()
+    assert not (out / "results.json").exists() and not (out / LOCK).exists()
+
+
+def test_final_and_results_are_replaced_atomically(tmp_path, monkeypatch):
+    """A save that fails half way leaves the previous final/ whole; JSON is written beside and renamed."""
+    from types import SimpleNamespace
+
+    import llm_surgery.insert
+    from llm_surgery.train.artifact import save_final
+    from llm_surgery.train.outputs import write_json
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "inserted.safetensors").write_bytes(b"old weights")
+
+    def dies_half_way(model, directory, full_state_dict=None):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "inserted.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+    monkeypatch.setattr(llm_surgery.insert, "save_inserted", dies_half_way)
+    acc = SimpleNamespace(distributed_type="NO", is_main_process=True, unwrap_model=lambda m: m,
+                          wait_for_everyone=lambda: None)
+    with pytest.raises(OSError, match="disk full"):
+        save_final(acc, torch.nn.Linear(1, 1), final, TrainConfig())
+    assert (final / "inserted.safetensors").read_bytes() == b"old weights"
+
+    def writes(model, directory, full_state_dict=None):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "inserted.safetensors").write_bytes(b"new weights")
+    monkeypatch.setattr(llm_surgery.insert, "save_inserted", writes)
+    save_final(acc, torch.nn.Linear(1, 1), final, TrainConfig())
+    assert (final / "inserted.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no temporary or set-aside directory left
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+    (tmp_path / "results.json").write_text('{"old": 1}')
+    with pytest.raises(OSError, match="killed"):
+        write_json(tmp_path / "results.json", {"new": 2})
+    assert json.loads((tmp_path / "results.json").read_text()) == {"old": 1}
+    monkeypatch.setattr(os, "replace", real_replace)
+    write_json(tmp_path / "results.json", {"new": 2})
+    assert json.loads((tmp_path / "results.json").read_text()) == {"new": 2}
+
+
+def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch):
+    from safetensors.torch import load_file
+
+    from llm_surgery.train import run, trainer
+
+    real, calls = trainer.completion_loss_inputs, []
+
+    def poisoned(model, batch, k=None):  # the third step's forward overflows
+        logits, labels = real(model, batch, k)
+        calls.append(1)
+        return (logits * float("nan") if len(calls) == 3 else logits), labels
+    monkeypatch.setattr(trainer, "completion_loss_inputs", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(trainer.TrainingDiverged, match=r"step 3: .* not finite.*step-00000002"):
+        run(_run_args(tiny_host_dir, out, "--max-steps", "4"))
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000001", "step-00000002"]
+    for ckpt in list_checkpoints(out / "checkpoints"):
+        assert all(torch.isfinite(t).all() for t in load_file(ckpt / "trainable.safetensors").values())
+    assert not (out / "final").exists() and not (out / "results.json").exists()
+
+
+# ---------------------------------------------------------------- bad input: one clear error before work
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "nan"], "lr must be a finite number in (0, inf)"),
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--lr", "0"], "lr must be a finite number in (0, inf)"),
+    (["--adam-beta1", "2"], "adam_beta1 must be a finite number in [0, 1)"),
+    (["--adam-beta2", "1"], "adam_beta2 must be a finite number in [0, 1)"),
+    (["--max-grad-norm", "0"], "max_grad_norm must be a finite number in (0, inf) (none = no clipping)"),
+    (["--lora-dropout", "1.5"], "lora_dropout must be a finite number in [0, 1)"),
+    (["--kind", "mamba2", "--mixer-options", '{"dict_size": 4}'], "['dict_size'] are not options of the mamba2"),
+    (["--max-eval-examples", "0"], "max_eval_examples must be >= 1 (or none)"),
+    (["--resume", "latest", "--overwrite"], "pass one"),
+])
+def test_bad_trainer_flags_are_refused_at_parse_time(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(flags, prog="train")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.startswith("train: error: ") and err.count("\n") == 1
+
+
+def test_trainer_flags_that_parse():
+    assert parse_config(["--max-grad-norm", "none"]).max_grad_norm is None  # no clipping, said explicitly
+    assert parse_config(["--kind", "pdssm", "--mixer-options", '{"dict_size": 4, "num_heads": 2}']).mixer_kwargs() \
+        == {"dict_size": 4, "num_heads": 2}
+
+
+def test_empty_evaluation_sets_and_cpu_float16_are_refused_before_work(tmp_path, tiny_host_dir):
+    from llm_surgery.train import run
+    from llm_surgery.train.config import UsageError
+
+    out = tmp_path / "run"
+    with pytest.raises(UsageError, match=r"--num-sequences 3 gives no validation examples"):
+        run([*_run_args(tiny_host_dir, out), "--num-sequences", "3"])
+    with pytest.raises(UsageError, match=r"--host-dtype float16 needs a CUDA device"):
+        run([*_run_args(tiny_host_dir, out), "--host-dtype", "float16", "--cpu"])
+    assert not (out / "config.json").exists() and not (out / "metrics.jsonl").exists()
+    with pytest.raises(UsageError, match=r"surgery refused these settings .* n=3: this host has 2 attention blocks"):
+        run([*_run_args(tiny_host_dir, out), "--n", "3"])  # known once the host is (its config: cheaply) loaded
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
+    from llm_surgery.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "run")], prog="train")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err == f"train: error: model path {tmp_path / 'missing'} does not exist\n"
+
+
+def test_offline_recipe_without_a_local_model_says_so_in_one_line(tmp_path):
+    """recipes/granite3b.py names a hub id; with no network and nothing cached it fails at once, in one line."""
+    env = {**_env(), "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO)}  # a script's folder is not the repo
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "recipes/granite3b.py", "--cpu", "--output-dir", str(tmp_path / "run")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [line for line in errors if "ibm-granite/granite-4.0-h-micro" in line and
+                      "--model /path/to/a/local/checkpoint" in line] and len(errors) == 1, proc.stderr
+    assert time.time() - t0 < 60 and not (tmp_path / "run" / "config.json").exists()
+
+
+def test_unreachable_hub_is_one_line_without_retries(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.host import model_source
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: connection refused
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    t0 = time.time()
+    with pytest.raises(UsageError, match=r"org/model is a hub id .* cannot be reached .*local/checkpoint"):
+        model_source("org/model")
+    assert time.time() - t0 < 10
+
+
+def test_host_too_large_for_memory_is_refused_with_its_size(monkeypatch, tmp_path):
+    """Granite 4.0 H Micro in float32 on a machine with 22 GiB free: refused before anything is built, with the
+    size it needs (counted on the meta device)."""
+    from llm_surgery.train import host, run
+    from llm_surgery.train.config import UsageError
+
+    params, desc = host.host_parameters(TrainConfig(random_init_config="granite-4.0-h-micro"))
+    assert 3.1e9 < params < 3.3e9 and desc == "granite-4.0-h-micro"
+    monkeypatch.setattr(host, "available_memory", lambda device: 22 * 2**30)
+    with pytest.raises(UsageError, match=r"needs 11.9 GiB per process .*3.19B parameters x 4 bytes.*22.0 GiB"):
+        run(["--random-init-config", "granite-4.0-h-micro", "--cpu", "--output-dir", str(tmp_path / "run")])
+    host.check_memory(params, desc, torch.bfloat16, torch.device("cpu"))  # 5.9 GiB fits twice into 22
+    with pytest.raises(UsageError, match="shared by 2 processes"):
+        host.check_memory(params, desc, torch.bfloat16, torch.device("cpu"), processes_here=2)
+
+
+def test_tokenizer_fallback_is_announced_and_refused_for_another_vocabulary(tmp_path, capsys):
+    from llm_surgery.box_data import build_box_tokenizer
+    from llm_surgery.hosts import build_tiny_host
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.host import load_pretrained
+
+    vocab = len(build_box_tokenizer())
+    for name, size in (("box", vocab), ("other", vocab + 64)):
+        build_tiny_host("granite", seed=0, hidden_size=32, vocab_size=size, pattern="M*",
+                        mamba_chunk_size=64).save_pretrained(tmp_path / name)  # saved without a tokenizer
+    _, tok = load_pretrained(str(tmp_path / "box"), torch.float32, torch.device("cpu"))
+    assert len(tok) == vocab and "using the Box word tokenizer" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=rf"no tokenizer that loads.*fits only a host with that vocabulary, and "
+                                         rf"this one has {vocab + 64}"):
+        load_pretrained(str(tmp_path / "other"), torch.float32, torch.device("cpu"))

@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from . import generate as gen
-from .files import prepare_output_dir, read_jsonl, write_splits
+from .files import iter_jsonl, prepare_output_dir, read_jsonl, write_splits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,8 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("score", help="accuracy of predicted completions against a split file")
     s.add_argument("--data", required=True, help="a split .jsonl written by `generate`")
     s.add_argument("--predictions", required=True,
-                   help='JSON Lines: {"id": ..., "prediction": ...} per line (joined on id), or '
-                        '{"prediction": ...} / a bare JSON string per line, aligned with --data')
+                   help='JSON Lines: {"id": ..., "prediction": ...} per line, joined on id (every record needs '
+                        'one line; duplicate or unknown ids are errors); or, with no id on any line, '
+                        '{"prediction": ...} / a bare JSON string per line, aligned with --data by position '
+                        '(the counts must match)')
     s.add_argument("--train-max-ops", type=int, default=gen.DEFAULT_TRAIN_MAX_OPS,
                    help="contexts with more operations count as OOD")
     s.add_argument("--out", help="also write the metrics JSON here")
@@ -62,23 +65,39 @@ def _generate(args) -> None:
 
 
 def _load_predictions(path: str):
-    rows = read_jsonl(path)
-    if rows and all(isinstance(r, dict) and "id" in r for r in rows):
-        return {r["id"]: r["prediction"] for r in rows}
-    preds = []
-    for i, r in enumerate(rows):
-        if isinstance(r, dict) and "prediction" in r:
-            r = r["prediction"]
-        if not isinstance(r, str):
-            raise ValueError(f"{path}, line {i + 1}: expected a string or an object with 'prediction'")
-        preds.append(r)
-    return preds
+    """{id: prediction} when any line carries an id (then every line must, once), else the list in file order."""
+    rows = list(iter_jsonl(path))
+    with_id = [n for n, r in rows if isinstance(r, dict) and "id" in r]
+    by_id, line_of, plain = {}, {}, []
+    for n, r in rows:
+        where = f"{path}, line {n}"
+        pred = r.get("prediction") if isinstance(r, dict) else r
+        if not isinstance(pred, str):
+            raise ValueError(f"{where}: expected a JSON string or an object with a string 'prediction'")
+        if not with_id:
+            plain.append(pred)
+            continue
+        rid = r.get("id") if isinstance(r, dict) else None
+        if not isinstance(rid, str):
+            raise ValueError(f"{where}: needs a string 'id' (line {with_id[0]} has one: give every line an id, "
+                             "or none to align by position)")
+        if rid in line_of:
+            raise ValueError(f"{where}: duplicate id {rid!r} (also on line {line_of[rid]})")
+        line_of[rid], by_id[rid] = n, pred
+    return by_id if with_id else plain
 
 
 def _score(args) -> None:
-    from .score import score
+    from .score import check_records, score
 
-    metrics = score(read_jsonl(args.data), _load_predictions(args.predictions), args.train_max_ops)
+    if args.out and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a directory; give a file path for the metrics JSON")
+    records = read_jsonl(args.data)
+    try:
+        check_records(records)
+    except ValueError as e:
+        raise ValueError(f"{args.data}: {e}") from None
+    metrics = score(records, _load_predictions(args.predictions), args.train_max_ops)
     text = json.dumps(metrics, indent=2)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -91,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         (_generate if args.command == "generate" else _score)(args)
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+    except OSError as e:   # a missing file, a directory given for a file, no permission: one line, no traceback
+        msg = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+        parser.exit(2, f"{parser.prog} {args.command}: error: {msg}\n")
     return 0
 
 

@@ -50,9 +50,19 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[Mapping]) -> int:
     return n
 
 
-def read_jsonl(path: str | os.PathLike) -> list:
+def iter_jsonl(path: str | os.PathLike):
+    """(line number, value) for every non-blank line; bad JSON is a ValueError naming the file and line."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list:
+    return [value for _, value in iter_jsonl(path)]
 
 
 def write_splits(out_dir: str | os.PathLike, splits: Mapping[str, list[dict]], overwrite: bool = False,

@@ -246,7 +246,10 @@ def check_generation_args(num_sequences, seed, train_max_ops, test_max_ops) -> d
     _check_count("test_max_ops", test_max_ops)
     if test_max_ops < train_max_ops:
         raise ValueError(f"test_max_ops ({test_max_ops}) must be >= train_max_ops ({train_max_ops})")
-    return split_sizes(num_sequences)
+    sizes = split_sizes(num_sequences)
+    if not any(sizes.values()):
+        raise ValueError(f"num_sequences must be at least 1 in some split, got {num_sequences!r}: nothing to generate")
+    return sizes
 
 
 def generate_splits(num_sequences: int | Mapping[str, int] = DEFAULT_NUM_SEQUENCES, seed: int = DEFAULT_SEED,

@@ -27,6 +27,26 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.transpose(1, 2), full[:, :, -(W - 1):].contiguous() if W > 1 else full[:, :, :0]
 
 
+def check_attention_mask(attention_mask: torch.Tensor | None, hidden_states: torch.Tensor, name: str) -> None:
+    """A mixer's padding mask must be [batch, seq_len] of bool or 0/1 numbers: the mixers multiply by it, so a 2
+    would double a token's input and a -1 flip it, with no error. The value check costs one host sync; it is
+    skipped while a CUDA graph is captured (no sync is possible there)."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"{name}: attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
+    if attention_mask.dim() != 2 or attention_mask.shape != hidden_states.shape[:2]:
+        raise ValueError(f"{name}: attention_mask must be [batch, seq_len] = {tuple(hidden_states.shape[:2])}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bad.any():
+        value = attention_mask[bad][0].item()
+        raise ValueError(f"{name}: attention_mask must hold only 0 (padding) and 1 (token), or be bool; "
+                         f"found {value!r}")
+
+
 def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero the positions that are padding ([B, L] mask, 1 = token) so they cannot write into the state."""
     if attention_mask is None:

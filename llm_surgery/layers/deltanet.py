@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_padding_mask, causal_conv1d, check_hidden_states
+from .common import apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -163,6 +163,7 @@ class DeltaNetMixer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state=None, return_state: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "DeltaNetMixer")
+        check_attention_mask(attention_mask, hidden_states, "DeltaNetMixer")
         in_dtype, dtype = hidden_states.dtype, self.out_proj.weight.dtype
         x = hidden_states.to(dtype)
         b, L, _ = x.shape

@@ -21,7 +21,7 @@ from ..ops.pd_scan import pd_scan
 from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
 from ..ops.pd_select import projected
 from ..ops.pd_transition import round_phase, snap_magnitude
-from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_hidden_states
+from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
 
 
 def _pow2_near(x: float) -> int:
@@ -30,6 +30,8 @@ def _pow2_near(x: float) -> int:
 
 def tau_schedule(step: int, total_steps: int, start: float = 1.0, end: float = 0.1) -> float:
     """Geometric annealing of the straight-through temperature from `start` to `end` over `total_steps`."""
+    if not (start > 0 and end > 0 and math.isfinite(start) and math.isfinite(end)):
+        raise ValueError(f"tau_schedule: start and end must be positive finite temperatures, got {start}, {end}")
     if total_steps <= 0:
         return end
     frac = min(1.0, max(0.0, step / total_steps))
@@ -50,12 +52,19 @@ class FlashPDSSM(nn.Module):
                  layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0,
                  unit_snap: float = 0.0, phase_levels: int = 0):
         super().__init__()
-        if hidden_size <= 0:
-            raise ValueError(f"FlashPDSSM: hidden_size must be positive, got {hidden_size}")
+        sizes = dict(hidden_size=hidden_size, expand=expand, conv_kernel=conv_kernel, num_heads=num_heads,
+                     head_dim=head_dim, state_size=state_size, dict_size=dict_size)
+        for name, v in sizes.items():   # None: the default, for those that have one
+            if (v is not None or name in ("hidden_size", "expand", "conv_kernel")) and \
+                    (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"FlashPDSSM: {name} must be a positive int, got {v!r}")
         d_inner = expand * hidden_size
+        if head_dim is not None and (d_inner % head_dim or num_heads not in (None, d_inner // head_dim)):
+            raise ValueError(f"FlashPDSSM: num_heads * head_dim must equal expand*hidden_size={d_inner}, got "
+                             f"num_heads={num_heads}, head_dim={head_dim}")
         if num_heads is None:
             num_heads = _pow2_near(math.sqrt(hidden_size)) if head_dim is None else d_inner // head_dim
-        if num_heads <= 0 or d_inner % num_heads:
+        if d_inner % num_heads:
             raise ValueError(f"FlashPDSSM: expand*hidden_size={d_inner} must be divisible by num_heads={num_heads}")
         head_dim = d_inner // num_heads
         state_size = state_size or head_dim
@@ -66,7 +75,7 @@ class FlashPDSSM(nn.Module):
             raise ValueError(f"FlashPDSSM: dict_init must be one of {self.DICT_INITS}, got {dict_init!r}")
         self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
         self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
-        self.complex, self.tau, self.layer_idx = complex, float(tau), layer_idx
+        self.complex, self.tau, self.layer_idx = complex, tau, layer_idx
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
         if b_gate not in self.B_GATES:
@@ -116,6 +125,21 @@ class FlashPDSSM(nn.Module):
         self.out_proj = nn.Linear(d_inner, hidden_size, bias=False)
         with torch.no_grad():
             self.x_proj.weight.mul_(0.5)
+
+    @property
+    def tau(self) -> float:
+        """The straight-through softmax temperature (`set_tau`, `tau_schedule`); checked wherever it is set."""
+        return self._tau
+
+    @tau.setter
+    def tau(self, value) -> None:
+        try:
+            tau = float(value)
+        except (TypeError, ValueError):
+            tau = math.nan
+        if isinstance(value, (bool, str)) or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(f"FlashPDSSM: tau must be a positive finite number, got {value!r}")
+        self._tau = tau
 
     DICT_INITS = ("normal", "permutation", "identity")
     B_GATES = projected.GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
@@ -197,6 +221,7 @@ class FlashPDSSM(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, state=None,
                 return_state: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "FlashPDSSM")
+        check_attention_mask(attention_mask, hidden_states, "FlashPDSSM")
         Bsz, L, _ = hidden_states.shape
         conv_state, x0 = state if state is not None else (None, None)
         z, u = self.in_proj(hidden_states).chunk(2, dim=-1)
@@ -232,7 +257,8 @@ class FlashPDSSM(nn.Module):
         if torch.is_grad_enabled() and (self.dictionary.requires_grad or sel.requires_grad):
             x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau, mask=attention_mask)
         else:  # inference: the same hard forward without the straight-through bookkeeping
-            x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0)
+            x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0,
+                        check_values=False)   # argmaxes: in range by construction, no host sync
         return self._readout(x, u), x[:, :, -1]
 
     def _fused_scan_and_read(self, u: torch.Tensor, attention_mask: torch.Tensor | None, x0: torch.Tensor):

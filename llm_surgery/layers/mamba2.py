@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_hidden_states
+from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -167,6 +167,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state=None, return_state: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "Mamba2Mixer")
+        check_attention_mask(attention_mask, hidden_states, "Mamba2Mixer")
         in_dtype, dtype = hidden_states.dtype, self.out_proj.weight.dtype
         hidden_states = hidden_states.to(dtype)
         b, L, _ = hidden_states.shape

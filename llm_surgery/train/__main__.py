@@ -1,7 +1,12 @@
-"""`python -m llm_surgery.train [--flags]` / `llm-surgery-train`: with no flags, the embedded tiny-host run."""
+"""`python -m llm_surgery.train [--flags]` / `llm-surgery-train`: with no flags, the embedded tiny-host run.
+
+Errors the user can fix (a bad setting, a refused output directory or checkpoint, a host that cannot be had) are
+printed as one line, `<prog>: error: ...`, with exit status 2; a run stopped by a non-finite loss exits with 1.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -16,7 +21,17 @@ def run(argv: list[str] | None = None, defaults: dict | None = None, prog: str |
 
 def main(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> None:
     """Console entry point (returns None so that `sys.exit(main())` exits with status 0)."""
-    run(argv, defaults, prog)
+    from .checkpoint import CheckpointError
+    from .config import UsageError
+    from .trainer import TrainingDiverged
+
+    try:
+        run(argv, defaults, prog)
+    except (UsageError, CheckpointError, TrainingDiverged) as e:
+        if os.environ.get("RANK", "0") == "0":  # every process of a launch raises the same error: say it once
+            name = prog or os.path.basename(sys.argv[0])
+            print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1 if isinstance(e, TrainingDiverged) else 2)
 
 
 if __name__ == "__main__":

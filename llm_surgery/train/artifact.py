@@ -13,8 +13,13 @@ LORA_WEIGHTS, LORA_CONFIG = "lora.safetensors", "lora.json"
 
 
 def save_final(accelerator, model, final_dir: Path, cfg) -> None:
-    """Collective. Rank 0 writes. Under FSDP2 the trainable tensors (and buffers) are gathered first, to rank 0's
-    CPU: each rank holds only shards of them."""
+    """Collective. Rank 0 writes, into a temporary directory that then replaces `final_dir` (outputs.publish_dir:
+    a crash never leaves half an artifact). Under FSDP2 the trainable tensors (and buffers) are gathered first, to
+    rank 0's CPU: each rank holds only shards of them."""
+    import shutil
+
+    from .outputs import publish_dir
+
     from accelerate.utils import DistributedType
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -26,14 +31,19 @@ def save_final(accelerator, model, final_dir: Path, cfg) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
     if accelerator.is_main_process:
-        save_inserted(inner, final_dir, full_state_dict=full)
+        final_dir = Path(final_dir)
+        tmp = final_dir.with_name(f".tmp-{final_dir.name}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_inserted(inner, tmp, full_state_dict=full)
         if cfg.lora_r:
             state = full if full is not None else inner.state_dict()
             lora = {k: v.detach().cpu().contiguous() for k, v in state.items() if "lora_" in k}
-            save_file(lora, str(Path(final_dir) / LORA_WEIGHTS))
-            (Path(final_dir) / LORA_CONFIG).write_text(json.dumps(
+            save_file(lora, str(tmp / LORA_WEIGHTS))
+            (tmp / LORA_CONFIG).write_text(json.dumps(
                 {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                  "targets": cfg.lora_targets}, indent=2))
+        publish_dir(tmp, final_dir)
     accelerator.wait_for_everyone()
 
 

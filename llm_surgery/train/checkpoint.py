@@ -1,6 +1,8 @@
 """Resumable checkpoints that hold only what training changes: the trainable weights (inserted layers, LoRA),
 optimizer, scheduler, every rank's RNG states and the data position. Written atomically (temporary directory,
-fsync, rename), so a run killed mid-write leaves the previous checkpoint intact; the last N are kept.
+fsync, rename), so a run killed mid-write leaves the previous checkpoint intact; the last N of the run are kept
+(state.json carries the run's id and settings: pruning touches only that run's checkpoints, and a resume compares
+the settings).
 
 Layout of `<output_dir>/checkpoints/step-00000100/`:
   trainable.safetensors  optimizer.pt  scheduler.pt  rng-rank{r}.pt  state.json
@@ -55,7 +57,7 @@ def set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------- files
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         if f.is_file():
             with open(f, "rb") as fh:
@@ -71,16 +73,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path, keep_last: int) -> None:
-    """Make a fully written temporary directory the checkpoint `final` (fsync, then rename: a crash leaves either
-    the old checkpoints or the new one, never half of one) and keep the newest `keep_last` of its folder."""
-    _fsync_tree(tmp)
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the written directory `tmp` to `final`. An older `final` is first moved aside, then deleted: a crash
+    leaves the old directory (possibly under its aside name) or the new one, never half of one."""
+    aside = final.with_name(f".old-{final.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
     if final.exists():
-        shutil.rmtree(final)
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    for old in list_checkpoints(final.parent)[:-keep_last]:
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def publish(tmp: Path, final: Path, keep_last: int, run_id: str | None = None) -> None:
+    """Make a fully written temporary directory the checkpoint `final` (fsync, then rename) and keep the newest
+    `keep_last` checkpoints of its folder: of run `run_id` alone when given (other runs' are never touched)."""
+    fsync_tree(tmp)
+    replace_dir(tmp, final)
+    mine = [p for p in list_checkpoints(final.parent) if run_id is None or checkpoint_run_id(p) == run_id]
+    for old in mine[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id in a checkpoint's state.json (None when unreadable or absent)."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
@@ -105,7 +126,12 @@ def resolve_checkpoint(resume: str, ckpt_root: str | os.PathLike) -> Path:
 
 
 def _trainable_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
+    return set(_trainable_shapes(model))
+
+
+def _trainable_shapes(model: torch.nn.Module) -> dict[str, tuple]:
+    """Trainable parameter names and whole shapes (an FSDP2 DTensor reports its unsharded shape)."""
+    return {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -142,7 +168,7 @@ def save_checkpoint(accelerator, ckpt_root: str | os.PathLike, step: int, model,
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        publish(tmp, final, keep_last)
+        publish(tmp, final, keep_last, run_id=(extra or {}).get("run_id"))
     accelerator.wait_for_everyone()
     return final
 
@@ -179,11 +205,16 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
         rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.is_file() else None
     except Exception as e:  # any decode failure of any file
         raise CheckpointError(f"checkpoint {path} is corrupt: {type(e).__name__}: {e}") from None
-    expected = _trainable_names(model)
-    if set(weights) != expected:
+    expected = _trainable_shapes(model)
+    if set(weights) != set(expected):
         raise CheckpointError(f"checkpoint {path} does not match the model's trainable parameters: "
-                              f"missing {sorted(expected - set(weights))[:5]}, "
-                              f"unexpected {sorted(set(weights) - expected)[:5]}")
+                              f"missing {sorted(set(expected) - set(weights))[:5]}, "
+                              f"unexpected {sorted(set(weights) - set(expected))[:5]}")
+    shapes = [f"{k} {tuple(weights[k].shape)} there, {expected[k]} here" for k in sorted(expected)
+              if tuple(weights[k].shape) != expected[k]]
+    if shapes:
+        raise CheckpointError(f"checkpoint {path} holds tensors of other shapes than this model's: "
+                              f"{'; '.join(shapes[:5])}")
     from accelerate.utils import DistributedType
     full = accelerator.distributed_type == DistributedType.FSDP
     opts = StateDictOptions(full_state_dict=full, strict=False)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,6 +16,15 @@ KINDS = ("pdssm", "mamba2", "deltanet")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Settings a resumed run may change: logging, checkpoint cadence, evaluation batching, kernels and where outputs
+# go. Every other field (and the number of processes) must equal the checkpoint's, or `--resume` refuses.
+MAY_CHANGE_ON_RESUME = ("output_dir", "resume", "overwrite", "progress", "tensorboard", "plot", "log_every",
+                        "eval_every", "save_every", "keep_last", "eval_batch_size", "cache_dir", "quick_autotune",
+                        "host_kernels", "gradient_checkpointing", "memory_check")
+
+
+class UsageError(ValueError):
+    """A setting or input the user can fix. The command line prints it as one line and exits with status 2."""
 
 
 @dataclass
@@ -66,7 +77,8 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int | None = field(default=150, metadata={"help": "optimizer steps (None = run --epochs)"})
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = field(default=1.0, metadata={"help": "gradient clipping norm (> 0); none = "
+                                                                       "no clipping"})
     seed: int = 0
 
     # systems
@@ -91,7 +103,13 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
     keep_last: int = 2
-    resume: str | None = field(default=None, metadata={"help": "checkpoint dir or 'latest'"})
+    resume: str | None = field(default=None, metadata={"help": "checkpoint dir or 'latest'; the run's settings "
+                                                                "must equal the checkpoint's"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "delete the outputs of an earlier run in --output-dir (checkpoints, final/, results, logs) before "
+                "starting; without it a fresh run refuses a directory that holds them"})
+    memory_check: bool = field(default=True, metadata={
+        "help": "refuse a host whose weights need more than half the memory available to a process"})
     progress: bool = True
     tensorboard: bool = True
     plot: bool = True
@@ -100,10 +118,20 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError on impossible settings before any work starts."""
+        """Raise UsageError on impossible settings before any work starts."""
         def choice(name, allowed):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise UsageError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+        def number(name, low, high=math.inf, low_open=False, high_open=True, none_ok=False, hint=""):
+            v = getattr(self, name)
+            if v is None and none_ok:
+                return
+            ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > low if low_open else v >= low) and (
+                v < high if high_open else v <= high)
+            if not ok:
+                span = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+                raise UsageError(f"{name} must be a finite number in {span}{hint}, got {v!r}")
         choice("kind", KINDS)
         choice("schedule", SCHEDULES)
         choice("mixed_precision", PRECISIONS)
@@ -111,37 +139,69 @@ class TrainConfig:
         choice("tiny_host", ("granite", "nemotron"))
         choice("eval_mode", ("teacher_forced", "generate"))
         if self.fsdp and self.eval_mode == "generate":
-            raise ValueError("eval_mode 'generate' runs the unwrapped model on each rank, which FSDP shards; "
+            raise UsageError("eval_mode 'generate' runs the unwrapped model on each rank, which FSDP shards; "
                              "use eval_mode 'teacher_forced' with --fsdp")
-        for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last"):
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues the run in --output-dir and --overwrite deletes it; pass one")
+        for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last", "num_sequences"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lora_r", "eval_every", "save_every", "pretrain_steps", "num_sequences"):
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lora_r", "eval_every", "save_every", "pretrain_steps"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_steps", "max_eval_examples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1 (or none), got {getattr(self, name)}")
+        for name in ("lr", "pretrain_lr", "adam_eps", "epochs", "lora_alpha"):
+            number(name, 0, low_open=True)
+        number("tau", 0, low_open=True, none_ok=True)
+        number("max_grad_norm", 0, low_open=True, none_ok=True, hint=" (none = no clipping)")
+        number("weight_decay", 0)
+        for name in ("adam_beta1", "adam_beta2", "lora_dropout", "warmup_ratio"):
+            number(name, 0, 1)
+        number("min_lr_ratio", 0, 1, high_open=False)
         if self.positions is not None and len(self.positions) != self.n:
-            raise ValueError(f"positions {self.positions} must list n={self.n} layer indices")
-        self.mixer_kwargs()
+            raise UsageError(f"positions {self.positions} must list n={self.n} layer indices")
+        unknown = sorted(set(self.mixer_kwargs()) - mixer_option_names(self.kind))
+        if unknown:
+            raise UsageError(f"mixer_options {unknown} are not options of the {self.kind} mixer; known: "
+                             f"{', '.join(sorted(mixer_option_names(self.kind)))}")
 
     def mixer_kwargs(self) -> dict:
         try:
             opts = json.loads(self.mixer_options)
         except json.JSONDecodeError as e:
-            raise ValueError(f"mixer_options must be a JSON object, got {self.mixer_options!r}: {e}") from None
+            raise UsageError(f"mixer_options must be a JSON object, got {self.mixer_options!r}: {e}") from None
         if not isinstance(opts, dict):
-            raise ValueError(f"mixer_options must be a JSON object, got {self.mixer_options!r}")
+            raise UsageError(f"mixer_options must be a JSON object, got {self.mixer_options!r}")
         return opts
+
+    def resume_settings(self, world_size: int) -> dict:
+        """What a checkpoint records and a resume must match: every field but MAY_CHANGE_ON_RESUME, the mixer
+        options parsed, and the number of processes (it fixes the data order)."""
+        out = {k: v for k, v in self.to_dict().items() if k not in MAY_CHANGE_ON_RESUME}
+        out["mixer_options"] = self.mixer_kwargs()
+        out["world_size"] = world_size
+        return json.loads(json.dumps(out))  # the form it takes in state.json
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def mixer_option_names(kind: str) -> set[str]:
+    """Constructor options of a mixer kind (from its class's signature, via the layer registry), but the width,
+    which the surgery passes itself."""
+    from llm_surgery.layers import registry
+
+    params = inspect.signature(registry._mixer_class(kind).__init__).parameters
+    return {n for n, p in params.items() if n not in ("self", "hidden_size")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def settings_diff(saved: dict, now: dict) -> list[str]:
+    """`name: saved -> now` for every setting that differs (a missing one shows as None)."""
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
 
 
 def _unwrap_optional(tp):
@@ -160,6 +220,13 @@ def _none_or(conv):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (the usage of every TrainConfig field would fill a screen)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
+
 def build_parser(defaults: dict | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--flag-name` per TrainConfig field (defaults may be overridden by a recipe)."""
     defaults = dict(defaults or {})
@@ -168,7 +235,7 @@ def build_parser(defaults: dict | None = None, prog: str | None = None) -> argpa
     unknown = set(defaults) - names
     if unknown:
         raise ValueError(f"unknown TrainConfig fields in defaults: {sorted(unknown)}")
-    parser = argparse.ArgumentParser(prog=prog, description="Train inserted sequence mixers in a frozen host "
+    parser = _Parser(prog=prog, description="Train inserted sequence mixers in a frozen host "
                                      "(llm-surgery). Every option has a default; none is required.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
@@ -188,10 +255,10 @@ def build_parser(defaults: dict | None = None, prog: str | None = None) -> argpa
 
 
 def parse_config(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> TrainConfig:
-    """Command line -> validated TrainConfig. Bad values exit with argparse's usage message."""
+    """Command line -> validated TrainConfig. A bad value exits with status 2 and a one-line message."""
     parser = build_parser(defaults, prog)
     ns = parser.parse_args(argv)
     try:
         return TrainConfig(**vars(ns))
-    except ValueError as e:
+    except UsageError as e:
         parser.error(str(e))

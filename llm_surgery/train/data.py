@@ -14,11 +14,27 @@ import torch
 
 from llm_surgery.box_data import encode_records, generate_splits
 
+from .config import UsageError
+
 
 def make_splits(num_sequences: int, seed: int, train_max_ops: int, test_max_ops: int) -> dict[str, list[dict]]:
     """train / validation (0..train_max_ops operations) and test (0..test_max_ops) Box records."""
     return generate_splits(num_sequences=num_sequences, seed=seed, train_max_ops=train_max_ops,
                            test_max_ops=test_max_ops)
+
+
+def check_splits(cfg, world_size: int) -> dict[str, list[dict]]:
+    """The run's splits, refused before any work when one is empty or too small to fill one global batch."""
+    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
+    if len(splits["train"]) < cfg.batch_size * world_size:
+        raise UsageError(f"--num-sequences {cfg.num_sequences} gives {len(splits['train'])} training examples, fewer "
+                         f"than one global batch of {cfg.batch_size} x {world_size} processes; raise --num-sequences "
+                         "or lower --batch-size")
+    for name in ("validation", "test"):
+        if not cap_records(splits[name], cfg.max_eval_examples):
+            raise UsageError(f"--num-sequences {cfg.num_sequences} gives no {name} examples to evaluate; raise "
+                             "--num-sequences")
+    return splits
 
 
 def cap_records(records: Sequence[dict], max_examples: int | None) -> list[dict]:

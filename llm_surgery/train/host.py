@@ -1,6 +1,11 @@
 """Getting a host model and its tokenizer: a user's checkpoint (local path, or a hub id the user passed), a
 random-weight host of a real configuration (throughput runs), or the embedded tiny Granite-4.0 host.
 
+Before anything is built, the host is checked: a hub id needs the local cache or a reachable hub (`model_source`),
+and its weights (parameters x bytes, counted on the meta device from the configuration) must fit in half the memory
+available to a process (`check_memory`). A host saved without a tokenizer gets the Box word tokenizer only if its
+vocabulary has exactly the Box tokenizer's size, and the fallback is logged.
+
 The embedded host exists so that `python -m llm_surgery.train` runs offline on a laptop CPU. A random frozen
 host cannot learn Box through a few inserted layers, so it is first pretrained briefly on Box IID data with all
 weights trainable (`pretrain_host`), saved with `save_pretrained` into a cache directory keyed by the hash of
@@ -13,21 +18,29 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+
+from .config import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRETRAIN_VERSION = 1  # bump when pretrain_host changes what it produces
 TINY_HOST = {"hidden_size": 64, "pattern": "M*M*M*M*", "mamba_chunk_size": 64}
+MEMORY_HEADROOM = 2.0  # a host's weights may take at most 1/2 of a process's memory (the rest: activations etc.)
 
 
 def resolve_dtype(host_dtype: str, on_cuda: bool) -> torch.dtype:
     if host_dtype == "auto":
         return torch.bfloat16 if on_cuda else torch.float32
     if host_dtype not in DTYPES:
-        raise ValueError(f"host_dtype must be 'auto' or one of {sorted(DTYPES)}, got {host_dtype!r}")
+        raise UsageError(f"host_dtype must be 'auto' or one of {sorted(DTYPES)}, got {host_dtype!r}")
+    if DTYPES[host_dtype] == torch.float16 and not on_cuda:
+        raise UsageError("--host-dtype float16 needs a CUDA device: on the CPU the float16 host overflows and "
+                         "training turns to NaN; use float32 or bfloat16")
     return DTYPES[host_dtype]
 
 
@@ -36,28 +49,118 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
-def load_pretrained(name: str, dtype: torch.dtype, device: torch.device):
-    """A local checkpoint directory or a hub id (downloaded by transformers only because the user named it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def model_source(name: str) -> str:
+    """`--model` as transformers should load it: an existing save_pretrained directory, or a hub id that is in the
+    local Hugging Face cache or can be downloaded. Without network a hub id fails here, in one line, instead of
+    in transformers' retries. The probe is one TCP connection to the hub endpoint (skipped behind a proxy)."""
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json; --model needs a save_pretrained directory or a "
-                                    "hub id")
-        name = str(path)
-    elif _looks_local(name):
-        raise FileNotFoundError(f"model path {name} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+            raise UsageError(f"{path} has no config.json; --model needs a save_pretrained directory or a hub id")
+        return str(path)
+    if _looks_local(name):
+        raise UsageError(f"model path {name} does not exist")
+    from huggingface_hub import constants, try_to_load_from_cache
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError):
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return name
+    except ValueError:  # not a valid repo id
+        raise UsageError(f"--model {name!r} is neither a local directory nor a hub id (org/name)") from None
+    fix = "pass --model /path/to/a/local/checkpoint (a save_pretrained directory), or run with network access"
+    if constants.HF_HUB_OFFLINE:
+        raise UsageError(f"--model {name} is a hub id that is not in the local cache and HF_HUB_OFFLINE is set; {fix}")
+    if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                     timeout=5).close()
+        except OSError as e:
+            raise UsageError(f"--model {name} is a hub id that is not in the local cache, and the hub "
+                             f"({url.geturl()}) cannot be reached ({e}); {fix}") from None
+    return name
+
+
+def host_parameters(cfg) -> tuple[int, str] | None:
+    """(parameter count, description) of the configured host from its configuration alone (built on the meta
+    device: no memory, no weights read); None for the embedded tiny host."""
+    if cfg.random_init_config:
+        from llm_surgery.hosts import HOST_CONFIGS, build_host
+
+        if cfg.random_init_config not in HOST_CONFIGS:
+            raise UsageError(f"unknown --random-init-config {cfg.random_init_config!r}; known: "
+                             f"{', '.join(sorted(HOST_CONFIGS))}")
+        model, desc = build_host(cfg.random_init_config, device="meta"), cfg.random_init_config
+    elif cfg.model:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        source = model_source(cfg.model)
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--model {source}: its config.json does not load "
+                             f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})") from None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        desc = source
+    else:
+        return None
+    return sum(p.numel() for p in model.parameters()), desc
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the GPU, or the machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil  # an Accelerate dependency
+
+    return psutil.virtual_memory().available
+
+
+def check_memory(params: int, desc: str, dtype: torch.dtype, device: torch.device, shards: int = 1,
+                 processes_here: int = 1) -> None:
+    """Refuse a host whose weights (per process: `shards` under FSDP) need more than 1/MEMORY_HEADROOM of the
+    memory available to one process (on the CPU, the processes of this machine share its RAM)."""
+    need = params * dtype.itemsize / shards
+    have = available_memory(device) / (1 if device.type == "cuda" else processes_here)
+    if need * MEMORY_HEADROOM > have:
+        where = f"GPU {device}" if device.type == "cuda" else "this machine's RAM" + (
+            f" shared by {processes_here} processes" if processes_here > 1 else "")
+        raise UsageError(f"host {desc} needs {need / 2**30:.1f} GiB per process for its weights ({params / 1e9:.2f}B "
+                         f"parameters x {dtype.itemsize} bytes{f' / {shards} shards' if shards > 1 else ''}) and "
+                         f"about twice that to train; {where} has {have / 2**30:.1f} GiB available. Use a smaller "
+                         "host, a machine with more memory, --fsdp over more GPUs, or --no-memory-check to try "
+                         "anyway")
+
+
+def load_tokenizer(source: str, vocab_size: int, log=print):
+    """The host's own tokenizer, or the Box word tokenizer for a host built with it (same vocabulary size), said
+    in the log; any other host without a loadable tokenizer is refused."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
         from llm_surgery.box_data import build_box_tokenizer
 
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         tokenizer = build_box_tokenizer()
-        if len(tokenizer) > model.config.vocab_size:
-            raise ValueError(f"{name} has no tokenizer, and the Box word tokenizer ({len(tokenizer)} tokens) does "
-                             f"not fit its vocabulary of {model.config.vocab_size}") from None
+        if len(tokenizer) != vocab_size:
+            raise UsageError(f"{source} has no tokenizer that loads ({why}); the Box word tokenizer "
+                             f"({len(tokenizer)} tokens) fits only a host with that vocabulary, and this one has "
+                             f"{vocab_size}: save the host's tokenizer with it") from None
+        log(f"{source} has no tokenizer that loads ({why}); using the Box word tokenizer ({len(tokenizer)} tokens, "
+            "the size of this host's vocabulary)")
+        return tokenizer
+
+
+def load_pretrained(name: str, dtype: torch.dtype, device: torch.device, log=print):
+    """A local checkpoint directory or a hub id (downloaded by transformers only because the user named it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = model_source(name)
+    tokenizer = load_tokenizer(source, AutoConfig.from_pretrained(source).vocab_size, log)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     return model.to(device), tokenizer
 
 
@@ -68,7 +171,7 @@ def random_init_host(config_name: str, dtype: torch.dtype, device: torch.device,
     from llm_surgery.hosts import HOST_CONFIGS, build_host
 
     if config_name not in HOST_CONFIGS:
-        raise ValueError(f"unknown --random-init-config {config_name!r}; known: {', '.join(sorted(HOST_CONFIGS))}")
+        raise UsageError(f"unknown --random-init-config {config_name!r}; known: {', '.join(sorted(HOST_CONFIGS))}")
     torch.manual_seed(seed)
     model = build_host(config_name, device=device, dtype=dtype)
     return model, build_box_tokenizer()

@@ -1,6 +1,12 @@
 """The training run: host -> surgery (+ optional LoRA) -> Box data -> AdamW + schedule -> Accelerate loop with
 evaluation, resumable checkpoints and logging -> `save_inserted` artifact, results.json, table and plot.
 
+Before any work (`preflight`, on every process; a failure anywhere stops all of them with one message): the
+output directory's lock, a fresh run's refusal of another run's outputs (or `--overwrite`), a resume's settings
+against the checkpoint's, non-empty data splits, the host's source and size. A non-finite loss or gradient norm
+stops the run before that update, so the weights and checkpoints stay finite. `final/` is saved before the
+evaluation, so a failing evaluation loses no training.
+
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
 launcher changes. The loss is computed on the completion tokens only (left padding puts them at the end of
 every row, so the LM head runs on those positions alone).
@@ -9,25 +15,30 @@ every row, so the LM head runs on those positions alone).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .artifact import save_final
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from .config import TrainConfig
-from .data import ShardedBatchSampler, TokenizedBox, cap_records, make_splits
+from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
+                         resolve_checkpoint, save_checkpoint)
+from .config import TrainConfig, UsageError
+from .data import ShardedBatchSampler, TokenizedBox, cap_records, check_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
 from .schedule import build_scheduler
 
 KILL_ENV = "LLM_SURGERY_KILL_AT_STEP"  # tests: SIGKILL rank 0 when this step starts (a real crash)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm is not finite: the run stops before applying that update."""
 
 
 # ---------------------------------------------------------------- setup
@@ -52,7 +63,7 @@ def make_accelerator(cfg: TrainConfig):
         kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=False)]
     accelerator = Accelerator(**kwargs)
     if cfg.fsdp and accelerator.distributed_type.value != "FSDP":
-        raise ValueError(f"--fsdp needs 2 or more GPU processes (Accelerate shards only on accelerators); this "
+        raise UsageError(f"--fsdp needs 2 or more GPU processes (Accelerate shards only on accelerators); this "
                          f"launch gives {accelerator.num_processes} process(es) of type "
                          f"{accelerator.distributed_type.value}. Launch with accelerate launch --num_processes N.")
     return accelerator
@@ -86,7 +97,7 @@ def load_host(cfg: TrainConfig, accelerator, log):
         accelerator.wait_for_everyone()
         from .host import tiny_host_dir
         path = str(tiny_host_dir(cfg))
-    model, tok = load_pretrained(path, dtype, accelerator.device)
+    model, tok = load_pretrained(path, dtype, accelerator.device, log=log)
     return model, tok, path
 
 
@@ -99,7 +110,7 @@ def add_lora(model, cfg: TrainConfig):
                       target_modules=targets)
     inject_adapter_in_model(lcfg, model)
     if not any("lora_" in n for n, _ in model.named_parameters()):
-        raise ValueError(f"--lora-targets {targets} matched no module of this host")
+        raise UsageError(f"--lora-targets {targets} matched no module of this host")
     return lcfg
 
 
@@ -138,6 +149,74 @@ def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
                              eps=cfg.adam_eps)
 
 
+# ---------------------------------------------------------------- checks before work
+
+def _checks(cfg: TrainConfig, accelerator, log) -> dict:
+    from .host import check_memory, host_parameters, model_source, resolve_dtype
+    from .outputs import check_fresh, check_resume
+
+    out_dir, world = Path(cfg.output_dir), accelerator.num_processes
+    ckpt_root = out_dir / "checkpoints"
+    dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
+    found = {"resume_path": None, "run_id": None}
+    if cfg.resume:
+        path = resolve_checkpoint(cfg.resume, ckpt_root)
+        run_id = check_resume(read_state(path), cfg, world, path)
+        others = sorted({str(checkpoint_run_id(p)) for p in list_checkpoints(ckpt_root)} - {run_id})
+        if others:
+            raise CheckpointError(f"{ckpt_root} holds checkpoints of other runs ({', '.join(others)}) than the one "
+                                  f"resumed ({run_id}); resume into that run's own --output-dir")
+        found.update(resume_path=path, run_id=run_id)
+    else:
+        check_fresh(out_dir, cfg.overwrite)
+    found["splits"] = check_splits(cfg, world)
+    if cfg.model and not cfg.random_init_config:
+        model_source(cfg.model)
+    host = host_parameters(cfg) if cfg.memory_check else None
+    if host is not None:
+        check_memory(*host, dtype, accelerator.device, shards=world if cfg.fsdp else 1,
+                     processes_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return found
+
+
+def preflight(cfg: TrainConfig, accelerator, log) -> dict:
+    """Every check that can refuse the run, before any work. The main process first takes the output directory's
+    lock; a failure on any process is raised on every process (so no rank waits for the others). Returns the
+    run id (new, or the resumed run's), the checkpoint to resume, the data splits and the lock."""
+    from accelerate.utils import gather_object
+
+    from .outputs import acquire_lock, clear_outputs, release_lock
+
+    lock, error, found = None, None, {}
+    try:
+        if accelerator.is_main_process:
+            lock = acquire_lock(Path(cfg.output_dir), log)
+        found = _checks(cfg, accelerator, log)
+    except (UsageError, CheckpointError) as e:
+        error = e
+    except BaseException:
+        release_lock(lock)
+        raise
+    report = (type(error).__name__, str(error)) if error else None
+    reports = gather_object([report]) if accelerator.num_processes > 1 else [report]
+    first = next((r for r in reports if r), None)
+    if first:
+        release_lock(lock)
+        if error is not None:
+            raise error
+        raise (CheckpointError if first[0] == "CheckpointError" else UsageError)(first[1])
+    if found["run_id"] is None:  # a fresh run: one id for every process
+        found["run_id"] = gather_object([uuid.uuid4().hex[:12]])[0] if accelerator.num_processes > 1 \
+            else uuid.uuid4().hex[:12]
+        if accelerator.is_main_process and cfg.overwrite:
+            gone = clear_outputs(Path(cfg.output_dir))
+            if gone:
+                log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {cfg.output_dir}")
+        accelerator.wait_for_everyone()
+    found["lock"] = lock
+    return found
+
+
 # ---------------------------------------------------------------- run
 
 def train(cfg: TrainConfig) -> dict:
@@ -146,10 +225,7 @@ def train(cfg: TrainConfig) -> dict:
     Accelerate fixes the device and mixed precision once per process: calling `train` again in the same
     process must use the same `cpu` / `mixed_precision` settings.
     """
-    from accelerate.utils import set_seed
-
-    from llm_surgery.box_data import BoxCollator
-    from llm_surgery.insert import count_parameters, insert_layers, set_tau
+    from .outputs import release_lock, write_json
 
     accelerator = make_accelerator(cfg)
     main = accelerator.is_main_process
@@ -158,16 +234,29 @@ def train(cfg: TrainConfig) -> dict:
         if main:
             print(msg, flush=True)
 
-    use_cuda_kernels(cfg, accelerator, log)
+    run = preflight(cfg, accelerator, log)
+    try:
+        if main:
+            write_json(Path(cfg.output_dir) / "config.json", cfg.to_dict())  # after the checks: never a wrong one
+        return _train(cfg, accelerator, run, log)
+    finally:
+        if main:
+            release_lock(run["lock"])
 
+
+def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
+    from accelerate.utils import set_seed
+
+    from llm_surgery.box_data import BoxCollator
+    from llm_surgery.insert import count_parameters, insert_layers, set_tau
+
+    from .outputs import write_json
+
+    main = accelerator.is_main_process
+    use_cuda_kernels(cfg, accelerator, log)
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    resume_path = None
-    if cfg.resume:  # fail before any work if the checkpoint is not there
-        resume_path = resolve_checkpoint(cfg.resume, ckpt_root)
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    resume_path, splits = run["resume_path"], run["splits"]
     log(f"llm-surgery train: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
         f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
@@ -175,7 +264,10 @@ def train(cfg: TrainConfig) -> dict:
     set_seed(cfg.seed)
     model, tokenizer, host_desc = load_host(cfg, accelerator, log)
     set_seed(cfg.seed)
-    insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    try:
+        insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    except (ValueError, TypeError) as e:  # n, positions or mixer option values this host cannot take
+        raise UsageError(f"the surgery refused these settings on {host_desc}: {e}") from e
     if cfg.lora_r:
         add_lora(model, cfg)
     trainable = mark_trainable(model)
@@ -191,7 +283,6 @@ def train(cfg: TrainConfig) -> dict:
         f"trainable {n_trainable:,} ({len(trainable)} tensors)")
 
     # data
-    splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
     train_data = TokenizedBox(tokenizer, splits["train"])
     sampler = ShardedBatchSampler(len(train_data), cfg.batch_size, accelerator.process_index,
                                   accelerator.num_processes, cfg.seed)
@@ -254,12 +345,13 @@ def train(cfg: TrainConfig) -> dict:
             loss_sum += loss.detach() / cfg.grad_accum
             step_tokens += n_tok
             window_tokens += n_tok
-        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+        done = step + 1
+        grad_norm = accelerator.clip_grad_norm_(params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
+        _check_finite(accelerator, loss_sum, grad_norm, done, ckpt_root, run["run_id"])
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         meter.step_done(step_tokens)
-        done = step + 1
         if done % cfg.log_every == 0 or done == total_steps:
             loss_mean = accelerator.reduce(loss_sum, "mean").item()
             now = time.perf_counter()
@@ -286,7 +378,8 @@ def train(cfg: TrainConfig) -> dict:
             meter.pause()
             position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
             save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
-                            extra={"kind": cfg.kind, "total_steps": total_steps})
+                            extra={"kind": cfg.kind, "total_steps": total_steps, "run_id": run["run_id"],
+                                   "settings": cfg.resume_settings(accelerator.num_processes)})
             meter.resume()
     meter.pause()
     if bar is not None:
@@ -312,17 +405,17 @@ def train(cfg: TrainConfig) -> dict:
         f"{throughput['tokens_per_s_total']:,.0f} total" + (
             ", peak memory " + ", ".join(f"{g:.2f}" for g in throughput["peak_memory_gib_by_process"]) + " GiB per GPU"
             if throughput["peak_memory_gib"] is not None else ""))
+    final_dir = out_dir / "final"
+    save_final(accelerator, model, final_dir, cfg)  # before the evaluation: a failing one loses no training
     val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
     test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
     results = {"kind": cfg.kind, "n": cfg.n, "host": host_desc, "steps": total_steps,
                "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
                "throughput": throughput, "num_processes": accelerator.num_processes,
                "distributed_type": accelerator.distributed_type.value,
-               "validation": val, "test": test, "config": cfg.to_dict()}
-    final_dir = out_dir / "final"
-    save_final(accelerator, model, final_dir, cfg)
+               "run_id": run["run_id"], "validation": val, "test": test, "config": cfg.to_dict()}
     if main:
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        write_json(out_dir / "results.json", results)
         metrics.log({"step": total_steps, "throughput": throughput})
         metrics.log({"step": total_steps, "val_accuracy": val["accuracy"], "test_iid_accuracy": test["iid"]["accuracy"],
                      "test_ood_accuracy": test["ood"]["accuracy"]})
@@ -339,6 +432,25 @@ def train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
+
+
+def _check_finite(accelerator, loss_sum: torch.Tensor, grad_norm, step: int, ckpt_root: Path, run_id: str) -> None:
+    """Stop before an update whose loss or gradient norm is not finite on any process (one sync per step). Under
+    fp16 mixed precision the gradient scaler skips non-finite gradients itself, so only the loss is checked."""
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    health = torch.stack([loss_sum.float(), torch.as_tensor(grad_norm, dtype=torch.float32, device=loss_sum.device)])
+    if accelerator.mixed_precision == "fp16":
+        health = health[:1]
+    if accelerator.num_processes > 1:
+        health = accelerator.reduce(health, "sum")  # NaN or inf anywhere stays NaN or inf
+    if bool(torch.isfinite(health).all()):
+        return
+    mine = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
+    last = f"the last good checkpoint is {mine[-1]}" if mine else "no checkpoint was saved (--save-every)"
+    raise TrainingDiverged(f"step {step}: the loss ({float(loss_sum):.4g} on this process) or the gradient norm "
+                           f"({float(grad_norm):.4g}) is not finite; stopped before this update, so no weights of "
+                           f"it were saved; {last}. Lower --lr, clip with --max-grad-norm, or use --host-dtype "
+                           "float32, in a fresh run")
 
 
 def _position(sampler: ShardedBatchSampler, micro_batches: int) -> dict:

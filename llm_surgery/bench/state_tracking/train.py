@@ -21,11 +21,11 @@ from .tasks import get_task
 
 # Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
 ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
-# Two or more complex layers (Table 1, session 5): magnitudes that can reach exactly 1, phases on a grid of
+# Two or more complex layers (Table 1): magnitudes that can reach exactly 1, phases on a grid of
 # 2 pi / 60 (exact rotations for cycles of 2, 3, 4, 5, 6), no convolution. What broke length generalisation was
 # drift: a decay of 1e-2 or a phase off by 0.02 rad costs nothing at length 40 and everything at 256.
 TRACKING_PDSSM = dict(unit_snap=0.01, phase_levels=60, conv_kernel=1)
-# Session 8: the tracking options plus what Proposition 1's automaton needs, a learned start state and entries
+# The tracking options plus what Proposition 1's automaton needs, a learned start state and entries
 # that keep their value (|D| = 1) taking no input (b_gate="decay"), trained with Adam's epsilon at 1e-6
 # (PRESET_TRAINING). Table 1, H200, 10 seeds: 93.4% validation-selected (87.6% final weights) against the
 # tracking options' 91.5% (84.0%); parity 98.2% against 88.6%.
@@ -62,7 +62,7 @@ class TrainConfig:
     # Adam's epsilon: the gradient size below which its steps shrink. With the loss at ~1e-6 for most of a run,
     # PyTorch's 1e-8 keeps Adam stepping at the full learning rate on gradient noise. In Table 1, parity reached
     # 97.8-98.7% in all four 5-seed sweeps with 1e-6 or 1e-5, 88.6% (10 seeds) with 1e-8
-    # (docs/bench/state_tracking.md, session 8).
+    # (docs/bench/state_tracking.md).
     adam_eps: float = 1e-8
     warmup_frac: float = 0.1
     min_len: int = 1

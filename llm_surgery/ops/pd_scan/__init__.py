@@ -11,13 +11,28 @@ import torch
 from .chunked import scan_backward, scan_forward
 from .naive import pd_scan_dense, pd_scan_naive
 
-__all__ = ["pd_scan", "pd_scan_backward", "pd_scan_naive", "pd_scan_dense", "check_pd_inputs"]
+__all__ = ["pd_scan", "pd_scan_backward", "pd_scan_naive", "pd_scan_dense", "check_pd_inputs", "check_index_range"]
 
 _INT_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
+def check_index_range(P: torch.Tensor, N: int, who: str = "pd_scan") -> None:
+    """Raise a ValueError unless every value of P lies in [0, N). One aminmax and one host sync, on any device.
+    Callers run it before P is narrowed to the kernels' int16, so no wide value can wrap into range unseen."""
+    if P.numel():
+        lo, hi = torch.stack(torch.aminmax(P)).tolist()
+        if lo < 0 or hi >= N:
+            raise ValueError(f"{who}: P values must lie in [0, N={N}), got range [{lo}, {hi}]")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"pd_scan: chunk_size must be a positive int or None (automatic), got {chunk_size!r}")
+
+
 def check_pd_inputs(P, D, b, x0=None, check_values: bool = True) -> None:
-    """Raise a clear TypeError/ValueError for inputs that break the pd_scan contract."""
+    """Raise a clear TypeError/ValueError for inputs that break the pd_scan contract. check_values: also P's
+    range (`check_index_range`, a host sync); callers whose P is in range by construction pass False."""
     for name, t in (("P", P), ("D", D), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"pd_scan: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -29,21 +44,25 @@ def check_pd_inputs(P, D, b, x0=None, check_values: bool = True) -> None:
         raise TypeError(f"pd_scan: D and b must be real floating or complex, got {b.dtype}")
     if b.dim() < 2:
         raise ValueError(f"pd_scan: b must be [..., L, N], got shape {tuple(b.shape)}")
+    if b.shape[-1] == 0:
+        raise ValueError(f"pd_scan: the state size N (last dim of P, D, b) must be >= 1, got shape {tuple(b.shape)}")
     if P.shape != b.shape or D.shape != b.shape:
         raise ValueError(f"pd_scan: P, D and b must share one shape [..., L, N]; got P {tuple(P.shape)}, "
                          f"D {tuple(D.shape)}, b {tuple(b.shape)}")
     if not (P.device == D.device == b.device):
         raise ValueError(f"pd_scan: P, D, b must be on one device, got {P.device}, {D.device}, {b.device}")
     if x0 is not None:
+        if not isinstance(x0, torch.Tensor):
+            raise TypeError(f"pd_scan: x0 must be a torch.Tensor or None, got {type(x0).__name__}")
+        if x0.device != b.device:
+            raise ValueError(f"pd_scan: x0 is on {x0.device}, P, D and b on {b.device}")
         want = b.shape[:-2] + b.shape[-1:]
         if x0.shape != want:
             raise ValueError(f"pd_scan: x0 must have shape {tuple(want)} ([..., N]), got {tuple(x0.shape)}")
         if x0.dtype != b.dtype:
             raise TypeError(f"pd_scan: x0 must have the dtype of b ({b.dtype}), got {x0.dtype}")
-    if check_values and P.numel() and P.device.type == "cpu":
-        lo, hi = int(P.min()), int(P.max())
-        if lo < 0 or hi >= b.shape[-1]:
-            raise ValueError(f"pd_scan: P values must lie in [0, N={b.shape[-1]}), got range [{lo}, {hi}]")
+    if check_values:
+        check_index_range(P, b.shape[-1])
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,7 +102,7 @@ class _PDScan(torch.autograd.Function):
     def backward(ctx, grad_x):
         Pf, Df, x0f, x = ctx.saved_tensors
         L, N = ctx.shape[-2:]
-        gD, gb, gx0 = pd_scan_backward(Pf, Df, x0f, x, grad_x.reshape(-1, L, N), ctx.chunk)
+        gD, gb, gx0 = pd_scan_backward(Pf, Df, x0f, x, grad_x.reshape(-1, L, N), ctx.chunk, check_values=False)
         gD = gD.to(Df.dtype).reshape(ctx.shape)
         gb = gb.to(x.dtype).reshape(ctx.shape)
         gx0 = None if gx0 is None else gx0.to(x.dtype).reshape(ctx.shape[:-2] + ctx.shape[-1:])
@@ -91,22 +110,30 @@ class _PDScan(torch.autograd.Function):
 
 
 def pd_scan(P: torch.Tensor, D: torch.Tensor, b: torch.Tensor, x0: torch.Tensor | None = None, *,
-            chunk_size: int | None = None) -> torch.Tensor:
+            chunk_size: int | None = None, check_values: bool = True) -> torch.Tensor:
     """x_t[n] = b_t[n] + sum_{m: P_t[m]=n} D_t[m] x_{t-1}[m], x_{-1} = x0 (zeros if None).
 
     P: int16/int32/int64 [..., L, N] with values in [0, N); D, b: [..., L, N], same dtype (real or complex);
     x0: [..., N]. Returns x [..., L, N] in b's dtype (half inputs are computed in float32).
     Differentiable in D, b and x0; the backward is the reverse-time gather recurrence.
+    chunk_size: steps per chunk of the torch path (None: automatic). check_values: P values outside [0, N) are
+    a ValueError on every device (one aminmax and a host sync); callers whose P is in range by construction
+    (argmaxes) pass False to keep the step free of syncs.
     """
-    check_pd_inputs(P, D, b, x0)
+    check_pd_inputs(P, D, b, x0, check_values)
+    check_chunk_size(chunk_size)
     if b.shape[-2] == 0:
         return b.clone()
     return _PDScan.apply(P, D, b, x0, chunk_size)
 
 
-def pd_scan_backward(P, D, x0, x, grad_x, chunk_size: int | None = None):
-    """(grad_D, grad_b, grad_x0) for given forward output x and upstream grad_x, all [..., L, N]."""
+def pd_scan_backward(P, D, x0, x, grad_x, chunk_size: int | None = None, *, check_values: bool = True):
+    """(grad_D, grad_b, grad_x0) for given forward output x and upstream grad_x, all [..., L, N].
+    check_values as in `pd_scan`."""
     L, N = x.shape[-2:]
+    check_chunk_size(chunk_size)
+    if check_values:
+        check_index_range(P, N)
     shape = x.shape
     Pf, Df, xf, g = (t.reshape(-1, L, N) for t in (P, D, x, grad_x))
     x0f = None if x0 is None else x0.reshape(-1, N)

@@ -20,9 +20,11 @@ float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` bef
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
 N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: the kernel that
-measured fastest on the H100 and H200 at that size, `_algo_code`; docs/bench/kernels.md).
-P values must lie in [0, N): out-of-range values are clamped to 0 on the GPU (no memory is corrupted); pass
-`validate=True` to get a ValueError instead (costs a device sync).
+measured fastest on the H100 and H200 at that size, `_algo_code`; docs/kernels.md).
+P values must lie in [0, N): `pd_scan` checks them before it calls these, as `validate=True` does here (a ValueError;
+one aminmax and a device sync). Unchecked, an out-of-range value is moved into the state by the kernels (no memory
+outside it is touched; the outputs are then meaningless), and int32/int64 values are never wrapped into range by
+the narrowing to int16.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from . import check_index_range
 
 __all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
            "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
@@ -57,7 +61,7 @@ def _source_dir() -> Path:
     raise FileNotFoundError("pd_scan CUDA sources not found (looked in llm_surgery/_kernels and the repo's kernels/)")
 
 
-CUDA_CFLAGS = ["-O3", "-std=c++17", "-lineinfo"]   # nvcc flags of the build (bench/sass_loops.py compiles with them too)
+CUDA_CFLAGS = ["-O3", "-std=c++17", "-lineinfo"]   # nvcc flags of the build
 
 
 def _build():
@@ -153,11 +157,13 @@ def _check_common(P, planes, x0, names):
 
 
 def _idx(P, N, validate):
-    if validate and P.numel():
-        lo, hi = int(P.min()), int(P.max())
-        if lo < 0 or hi >= N:
-            raise ValueError(f"pd_scan CUDA: P values must lie in [0, N={N}), got range [{lo}, {hi}]")
-    return P.to(torch.int16).contiguous() if P.dtype != torch.int16 else P.contiguous()
+    """P as contiguous int16, the kernels' index type. A wider P is clamped to [-1, N] first (N <= 1024), so a
+    value outside [0, N) stays outside: a plain cast would wrap e.g. 65539 to 3, inside the state."""
+    if validate:
+        check_index_range(P, N, "pd_scan CUDA")
+    if P.dtype != torch.int16:
+        P = P.clamp(-1, N).to(torch.int16)
+    return P.contiguous()
 
 
 def _ptr(t):
@@ -173,8 +179,8 @@ def _algo_code(algo, N, bwd):
         raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
     if algo == "warp" and N > 256 and not bwd:
         raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
-    if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/bench/kernels.md):
-        # the warp kernel up to N = 256 (since session 23 also for bf16 states of 32-63 entries over many
+    if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/kernels.md):
+        # the warp kernel up to N = 256 (also for bf16 states of 32-63 entries over many
         # sequence-steps, where the block kernel had been 1-8% faster), the block kernel above
         return 1 if N > 256 else 2
     return _ALGOS[algo]
@@ -196,10 +202,10 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SM
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB; the
     backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
     sequences (their look-back chains set its pace: 1.06-3.7x faster on the H100) and for real bf16 at any count
-    (2-30% faster; the other forms there lost up to 27%; session 27), and at N = 65-128 to 32 steps for up to 8
+    (2-30% faster; the other forms there lost up to 27%), and at N = 65-128 to 32 steps for up to 8
     sequences and for real bf16 (up to 51% faster on the H100 and the H200, complex fp32 at 8 x 8,192 within 3%;
     16 sequences lost up to 15%, and the complex fp32 forms at 100-256 sequences gained 6-16% on the H100 but lost
-    up to 13% on the H200; session 28), where the block fits the device's shared memory (`smem_limit`). Warp
+    up to 13% on the H200), where the block fits the device's shared memory (`smem_limit`). Warp
     kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
     longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
     of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
@@ -207,12 +213,12 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SM
     chunks that keep a log (<= 512 steps), spread evenly over them (fewer look-backs and replays, no partial last
     wave; H100 and H200: 7-22% less time at 48-512 sequences of N = 64-256 and in the fp32 forms at N <= 32, 0-7%
     at others; bf16 at N <= 32, and sequences past the log's cap that fill a wave by themselves, keep ~L/32,
-    which was as fast or faster there; session 27); where it leaves fewer than 3.5 warps an SM, halved
+    which was as fast or faster there); where it leaves fewer than 3.5 warps an SM, halved
     down to 64 steps while that leaves at most 128 chunks a sequence; doubled up to 256 steps while a sequence
     has more than 256 (its look-back grows with its chunks: on the H100, 1-2 sequences of L=16384 take 10-16%
-    less time in 128-step chunks than in 64, one of L=65536 11-16% less in 256 than in 128; session 26); and
+    less time in 128-step chunks than in 64, one of L=65536 11-16% less in 256 than in 128); and
     raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over B = 1-2048 sequences
-    and L = 128-65536 (docs/bench/kernels.md, sessions 24 and 26) put the best chunk there, or within 10% of it,
+    and L = 128-65536 (docs/kernels.md) put the best chunk there, or within 10% of it,
     at every measured shape."""
     if not bwd and algo == _ALGOS["warp"]:
         slots = _warp_slots(ext, kind, bool(bf16), N, sms)
@@ -250,7 +256,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SM
 _REPAIR_MIN_T, _REPAIR_MAX_T = 24, 512   # kernels/pd_scan.cu: REPAIR_MIN_T and REPAIR_MAX_T (a test compares)
 # bf16 replays cost half as much: over many waves (the layer's shapes) a log for chunks under 128 steps is up to
 # 13% slower, while in one wave it is faster (split bf16, B=32, N=128, L=2048: 0.139 -> 0.116 ms on the H100;
-# docs/bench/kernels.md, sessions 23-24)
+# docs/kernels.md)
 _REPAIR_MIN_T_BF16 = 128
 
 
@@ -260,7 +266,7 @@ def _repair_capacity(code, bwd, bf16, T, N, one_wave=False):
     The kernel logs a chunk from the first step kc in 5..32 (at most T - 8) at which its entering state's support
     has collapsed to <= 32 entries; a chunk whose log fills up falls back to the full replay. Random maps keep
     ~2N/t entries at step t (kc ~ N/16), ~2N ln(T/kc) in all: T N / 8 leaves ~2x room at T=64 (T N / 16 lost
-    7-10% at L=2048 to fallbacks; session 24's earlier kc left the logged share at N = 32-256 as it was). At 12
+    7-10% at L=2048 to fallbacks; an earlier, later kc left the logged share at N = 32-256 as it was). At 12
     bytes an entry (complex fp32; 20 with bf16 outputs, whose log also keeps y) that is 0.19x the complex
     outputs' size."""
     min_t = _REPAIR_MIN_T_BF16 if bf16 and not one_wave else _REPAIR_MIN_T
@@ -279,7 +285,7 @@ def _link_words(comps):
     return 68 + 64 * comps
 
 
-_RAMP = 0.1   # the warp forward's chunk-length ramp in one wave (docs/bench/kernels.md, session 21)
+_RAMP = 0.1   # the warp forward's chunk-length ramp in one wave (docs/kernels.md)
 
 
 def _chunk_starts_on(L, C, T, r, device):
@@ -297,9 +303,9 @@ def _chunk_ramp(chunk, C, T, one_wave):
     of the launch has a warp slot at once.
     In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
     furthest; chunks growing along the sequence let the early ones look back and replay while the later ones still
-    stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/bench/kernels.md). Only for default chunks of
+    stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/kernels.md). Only for default chunks of
     >= 32 steps in one wave, which all keep a repair log (_repair_capacity): a chunk replayed in full would
-    replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower, session 21)."""
+    replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower)."""
     r = _state.get("ramp", _RAMP)
     if chunk or T < 32 or C < 2 or not one_wave or T * (1 + r) > _REPAIR_MAX_T:
         return 0.0
@@ -351,8 +357,8 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
         one_wave = S * C <= _warp_slots(ext, kind, bool(bf16), N, sms)
         ramp = _chunk_ramp(chunk, C, T, one_wave)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
-    # tickets, error, flags, and (warp forward) link flags
-    counter = torch.zeros(2 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
+    # tickets, flags, and (warp forward) link flags
+    counter = torch.zeros(1 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
@@ -369,7 +375,6 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     with torch.cuda.device(device):
         ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
-    return counter
 
 
 def _kind_of(dtype):

@@ -10,6 +10,8 @@ then the tempered-softmax Jacobians turn G into dL/dM and r into dL/dsel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..pd_scan import check_pd_inputs, pd_scan, pd_scan_backward
@@ -105,7 +107,7 @@ class _PDSelectScan(torch.autograd.Function):
         kstar = sel.argmax(-1)
         P = gather_transitions(P_dict, kstar, mask)
         with torch.no_grad():
-            x = pd_scan(P, D, b, x0)
+            x = pd_scan(P, D, b, x0, check_values=False)   # argmaxes: in range by construction
         ctx.save_for_backward(M, sel, D, x0, x, P_dict, kstar, mask)
         ctx.tau = tau
         return x
@@ -114,7 +116,7 @@ class _PDSelectScan(torch.autograd.Function):
     def backward(ctx, grad_x):
         M, sel, D, x0, x, P_dict, kstar, mask = ctx.saved_tensors
         P = gather_transitions(P_dict, kstar, mask)
-        gD, lam, gx0 = pd_scan_backward(P, D, x0, x, grad_x)
+        gD, lam, gx0 = pd_scan_backward(P, D, x0, x, grad_x, check_values=False)
         gM, gsel = _ste_grads(M, sel, P_dict, kstar, lam, D, x, x0, mask, ctx.tau)
         return gM, gsel, gD, lam, gx0, None, None
 
@@ -134,8 +136,8 @@ def pd_select_scan(M: torch.Tensor, sel: torch.Tensor, D: torch.Tensor, b: torch
     if sel.shape != b.shape[:3] + (K,):
         raise ValueError(f"pd_select_scan: sel must be {tuple(b.shape[:3] + (K,))} ([B, H, L, K]), "
                          f"got {tuple(sel.shape)}")
-    if tau <= 0:
-        raise ValueError(f"pd_select_scan: tau must be > 0, got {tau}")
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"pd_select_scan: tau must be a positive finite number, got {tau}")
     check_pd_inputs(torch.zeros((), dtype=torch.int16, device=b.device).expand(b.shape), D, b, x0,
                     check_values=False)
     if mask is not None and mask.shape != (b.shape[0], b.shape[2]):

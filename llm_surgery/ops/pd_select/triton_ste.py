@@ -148,7 +148,7 @@ def float_planes(t: torch.Tensor | None):
     return t.float().contiguous(), None
 
 
-# Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/bench/kernels.md).
+# Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/kernels.md).
 SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
 
