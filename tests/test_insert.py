@@ -521,6 +521,9 @@ def test_failed_insert_leaves_model_as_it_was(host_dirs, monkeypatch):
     assert len(runs) == 2
     remove_inserted(model)
     assert snapshot(model)[1] == before[1]  # remove_inserted puts back every attribute and hook
+    model.model.layers[1].pre_ssm = torch.nn.Identity()  # something of the user's under the name the surgery uses
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] already have a 'pre_ssm' attribute"):
+        insert_layers(model, "mamba2", 1, positions=[0])
 
 
 def _rewrite(src, dst, edit):
