@@ -673,3 +673,26 @@ def test_cuda_matches_cpu_and_generates(host_dirs, arch, kind):
     model.train()
     model(x.cuda(), labels=x.cuda(), use_cache=False).loss.backward()
     assert all(p.grad is not None for b in inserted_layers(model).values() for p in b.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padding_mask_is_checked_once_per_forward_and_bad_values_refused(host_dirs, arch, monkeypatch):
+    """The model's 2-D mask reaches every inserted mixer as bool after one value check (not one per layer);
+    a mask holding anything but 0/1 is a clear error before any inserted layer runs."""
+    import llm_surgery.insert.surgery as surgery_module
+
+    model = insert_layers(load_host(host_dirs, arch), "pdssm", n=2)
+    x, mask = ids(), torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    calls = []
+    real_check = surgery_module.check_attention_mask
+    monkeypatch.setattr(surgery_module, "check_attention_mask", lambda *a: calls.append(1) or real_check(*a))
+    seen = []
+    for block in inserted_layers(model).values():
+        block.mixer.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")), with_kwargs=True)
+    model(x, attention_mask=mask)
+    assert len(calls) == 1 and len(seen) == 2
+    assert all(m.dtype == torch.bool and torch.equal(m, mask.bool()) for m in seen)
+    mask[1, 4] = 2
+    with pytest.raises(ValueError, match="only 0 .padding. and 1"):
+        model(x, attention_mask=mask)

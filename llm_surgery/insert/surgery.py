@@ -23,6 +23,8 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache
 
+from llm_surgery.layers.common import check_attention_mask
+
 from . import state
 from .block import InsertedBlock
 from .host import attention_layers, base_model, dtype_and_device, norm_eps
@@ -131,10 +133,14 @@ def _layer_pre_hook(surgery: _Surgery, layer, args, kwargs):
 
 
 def _capture_mask(surgery: _Surgery, mask_arg: int, module, args, kwargs):
-    if "attention_mask" in kwargs:
-        surgery.mask = kwargs["attention_mask"]
-    else:
-        surgery.mask = args[mask_arg] if len(args) > mask_arg else None
+    mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[mask_arg] if len(args) > mask_arg
+                                                                      else None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype != torch.bool:
+        # Checked once per model forward and handed on as bool: each inserted mixer would otherwise check the
+        # same values again, one host sync per layer.
+        check_attention_mask(mask, mask, "attention_mask")
+        mask = mask.bool()
+    surgery.mask = mask
 
 
 def _release_mask(surgery: _Surgery, module, args, kwargs, output):
