@@ -21,7 +21,7 @@ from ..ops.pd_scan import pd_scan
 from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
 from ..ops.pd_select import projected
 from ..ops.pd_transition import round_phase, snap_magnitude
-from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_hidden_states
+from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d_silu, check_hidden_states
 
 
 def _pow2_near(x: float) -> int:
@@ -201,8 +201,8 @@ class FlashPDSSM(nn.Module):
         conv_state, x0 = state if state is not None else (None, None)
         z, u = self.in_proj(hidden_states).chunk(2, dim=-1)
         u = apply_padding_mask(u, attention_mask)
-        u, new_conv = causal_conv1d(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
-        u = apply_padding_mask(F.silu(u), attention_mask)
+        u, new_conv = causal_conv1d_silu(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
+        u = apply_padding_mask(u, attention_mask)
         # The scan and its inputs run in float32 (float64 if asked) even under bf16 autocast: the complex
         # inputs, the hard argmaxes and the long recurrence need it; the big projections stay in autocast.
         device = u.device.type

@@ -33,15 +33,24 @@ def usable(t: torch.Tensor) -> bool:
     return cuda.available()
 
 
+class _tf32:
+    """TF32 tensor cores for the float32 products of a half-precision layer (the torch path runs them in bf16
+    there); a float32 layer keeps exact float32 products, so it matches its reference to float32 rounding."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
+
+
 def _weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum over the batch of a^T b ([b, H, L, p], [b, H, L, n] -> [H, p, n]) with TF32 allowed: long, thin
-    GEMMs whose float32 kernels took ~10 ms per layer step; the torch path computes these in bf16."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        return (a.transpose(-1, -2) @ b).sum(0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    """sum over the batch of a^T b ([b, H, L, p], [b, H, L, n] -> [H, p, n])."""
+    return (a.transpose(-1, -2) @ b).sum(0)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -150,8 +159,9 @@ class _ProjectedSelectScan(torch.autograd.Function):
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
             del D_re, D_im, P_t, b_re, b_im
             # readout y = Re(C x) + D_skip u = x_re C_re^T - x_im C_im^T + D_skip u, written in u's layout
-            ys = torch.matmul(xr, Ct[..., 0])
-            ys -= torch.matmul(xi, Ct[..., 1])
+            with _tf32(u.dtype != torch.float32):
+                ys = torch.matmul(xr, Ct[..., 0])
+                ys -= torch.matmul(xi, Ct[..., 1])
             ys += skip * u_h[sl]
             y[sl].view(b, L, H, P).copy_(ys.transpose(1, 2))
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
@@ -160,11 +170,19 @@ class _ProjectedSelectScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
+        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
+        half = u.dtype != torch.float32
+        with _tf32(half):
+            return _ProjectedSelectScan._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
+                                                  x0, x_re, x_im, C, D_skip, mask, "tf32" if half else "ieee")
+
+    @staticmethod
+    def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
+                  precision):
         from ..pd_scan.cuda import pd_scan_bwd_cuda_split
         from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
         from .triton_ste import float_planes, ste_grads_triton
 
-        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
         b_gate, unit_snap, phase_levels = ctx.b_gate, ctx.unit_snap, ctx.phase_levels
         B, L, d = u.shape
         H, K, N = M.shape[:3]
@@ -216,7 +234,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             del P_t
             # straight-through sums, then the transition's own backward
             G_s, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
-                                      m, K)
+                                      m, K, precision=precision)
             G += G_s
             del D_re, D_im, kstar
             gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
