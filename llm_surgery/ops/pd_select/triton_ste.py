@@ -98,8 +98,8 @@ def _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_p
 def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
                             work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                            SEG: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr,
-                            HAS_MASK: tl.constexpr):
+                            SEG: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
+                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
     item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
     tile = tl.program_id(1)
     tile_n = tile // TILES
@@ -128,57 +128,14 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
         cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
                             x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
         a = tl.load(lam_re + ln, mask=lmask, other=0.0)
-        acc += tl.dot(tl.trans(a), cre, input_precision="ieee")
+        acc += tl.dot(tl.trans(a), cre, input_precision=PRECISION)
         if COMPLEX:
             a = tl.load(lam_im + ln, mask=lmask, other=0.0)
-            acc += tl.dot(tl.trans(a), cim, input_precision="ieee")
+            acc += tl.dot(tl.trans(a), cim, input_precision=PRECISION)
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
     # the emptiness test as a full tile: Triton 3.9's interpreter rejects an atomic mask built with a scalar
     nonempty = (tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.int32) + (end - begin)) > 0
     tl.atomic_add(out, acc, mask=(n[:, None] < N) & (m[None, :] < N) & nonempty, sem="relaxed")
-
-
-@triton.jit
-def _dictionary_dense_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, kstar_ptr, g_ptr, L, T,
-                             s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, k_sb, k_sh, SEG,
-                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
-                             HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
-    """G[h, k] += sum over a segment of tokens of onehot(k*_t = k) lam_t^T dx_t, for BLOCK_K members at once: one
-    tensor-core product [BLOCK_K * N, tokens] @ [tokens, N] per token block, over tokens in their own order (no
-    sort, no gather of rows; skew in the selection costs nothing)."""
-    kb = tl.program_id(0)
-    h = tl.program_id(1)
-    seg = tl.program_id(2)
-    n = tl.arange(0, BLOCK_N)
-    j = tl.arange(0, BLOCK_T)
-    kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_K * BLOCK_N, BLOCK_N), dtype=tl.float32)
-    for s in range(0, SEG, BLOCK_T):
-        tok = seg * SEG + s + j
-        valid = (tok < T) & (s + j < SEG)
-        bb = tok // L
-        ll = tl.where(valid, tok - bb * L, -1)          # -1: loads nothing
-        base = bb.to(tl.int64) * s_b + h.to(tl.int64) * s_h
-        x0_off = bb.to(tl.int64) * x0_sb + h * x0_sh
-        cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, n, L, base, s_l, s_n,
-                            x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
-        ks = tl.load(kstar_ptr + bb.to(tl.int64) * k_sb + h * k_sh + ll, mask=valid, other=-1)
-        hit = (ks[:, None, None] == kk[None, :, None])                          # [T, BLOCK_K, 1]
-        ln = base[:, None] + ll[:, None] * s_l + n[None, :] * s_n
-        lmask = valid[:, None] & (n[None, :] < N)
-        a = tl.load(lam_re + ln, mask=lmask, other=0.0)
-        a = tl.reshape(tl.where(hit, a[:, None, :], 0.0), (BLOCK_T, BLOCK_K * BLOCK_N))
-        acc += tl.dot(tl.trans(a), cre, input_precision=PRECISION)
-        if COMPLEX:
-            a = tl.load(lam_im + ln, mask=lmask, other=0.0)
-            a = tl.reshape(tl.where(hit, a[:, None, :], 0.0), (BLOCK_T, BLOCK_K * BLOCK_N))
-            acc += tl.dot(tl.trans(a), cim, input_precision=PRECISION)
-    row = tl.arange(0, BLOCK_K * BLOCK_N)
-    k = kb * BLOCK_K + row // BLOCK_N
-    nn = row % BLOCK_N
-    out = g_ptr + ((h * K + k[:, None]) * N + nn[:, None]) * N + n[None, :]
-    tl.atomic_add(out, acc, mask=(k[:, None] < K) & (nn[:, None] < N) & (n[None, :] < N), sem="relaxed")
 
 
 def float_planes(t: torch.Tensor | None):
@@ -194,10 +151,6 @@ def float_planes(t: torch.Tensor | None):
 # Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/bench/kernels.md).
 SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
-# The dense form (one-hot member masks inside a tensor-core product) does K times the sorted form's arithmetic
-# but reads every token once, in order; it is used while K * N stays within DENSE_MAX_KN (the layer's sizes).
-DENSE_CONFIG = {"block_k": 16, "block_t": 32, "seg": 2048, "num_warps": 8}
-DENSE_MAX_KN = 2048
 
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
@@ -233,12 +186,9 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     if "selector" in parts:
         r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                       SELECTOR_CONFIG if selector_config is None else selector_config)
-    if "dictionary" in parts and (dictionary_config or {}).get("dense", K * block_n <= DENSE_MAX_KN):
-        G = _dictionary_dense(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                              dict(DENSE_CONFIG, **(dictionary_config or {})), precision)
-    elif "dictionary" in parts:
+    if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config)
+                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
     return G, r
 
 
@@ -254,22 +204,8 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
     return r
 
 
-def _dictionary_dense(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg,
-                      precision):
-    G = torch.zeros(H, K, N, N, device=kstar.device, dtype=torch.float32)
-    T = B * L
-    if not T:
-        return G
-    block_k = min(cfg["block_k"], triton.next_power_of_2(K))
-    seg = min(cfg["seg"], triton.cdiv(T, cfg["block_t"]) * cfg["block_t"])
-    _dictionary_dense_kernel[(triton.cdiv(K, block_k), H, triton.cdiv(T, seg))](
-        *planes, kstar, G, L, T, *strides, *x0_strides, kstar.stride(0), kstar.stride(1), seg,
-        K=K, N=N, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=cfg["block_t"], PRECISION=precision, COMPLEX=cplx,
-        HAS_X0=has_x0, HAS_MASK=has_mask, num_warps=cfg["num_warps"])
-    return G
-
-
-def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg):
+def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
+                precision="ieee"):
     device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
@@ -293,6 +229,6 @@ def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0,
     if T:
         _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
             *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
-            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, COMPLEX=cplx, HAS_X0=has_x0,
+            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision, COMPLEX=cplx, HAS_X0=has_x0,
             HAS_MASK=has_mask, num_warps=dcfg["num_warps"])
     return G
