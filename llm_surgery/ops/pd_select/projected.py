@@ -9,7 +9,9 @@ Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_reado
 tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
 complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the states and the
 weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
-batch slice. CUDA only: `usable(u)` says whether it can run.
+batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
+kernels (`triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout. CUDA only:
+`usable(u)` says whether it can run.
 """
 
 from __future__ import annotations
@@ -31,26 +33,6 @@ def usable(t: torch.Tensor) -> bool:
     except ImportError:
         return False
     return cuda.available()
-
-
-class _tf32:
-    """TF32 tensor cores for the float32 products of a half-precision layer (the torch path runs them in bf16
-    there); a float32 layer keeps exact float32 products, so it matches its reference to float32 rounding."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        self.prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.on
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.prev
-
-
-def _weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum over the batch of a^T b ([b, H, L, p], [b, H, L, n] -> [H, p, n])."""
-    return (a.transpose(-1, -2) @ b).sum(0)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -130,15 +112,18 @@ class _ProjectedSelectScan(torch.autograd.Function):
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
         from ..pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..pd_transition.triton_fused import transition_fwd_triton
+        from .triton_readout import readout_fwd
 
+        if u.stride(-1) != 1:
+            u = u.contiguous()
         B, L, _ = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
         u_h = u.view(B, L, H, P).transpose(1, 2)
         P_dict = column_argmax(M)
-        Ct = C.float().transpose(1, 2)                                      # [H, N, P, 2]
-        skip = D_skip.float().view(1, H, 1, P)
+        Cf, skip = C.float().contiguous(), D_skip.float().contiguous()
+        precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
         Bt = None if b_gate == "off" else _ProjectedSelectScan._injection_weight(Bw, u.dtype)
         x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
@@ -158,12 +143,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             xr, xi = x_re[sl], x_im[sl]
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
             del D_re, D_im, P_t, b_re, b_im
-            # readout y = Re(C x) + D_skip u = x_re C_re^T - x_im C_im^T + D_skip u, written in u's layout
-            with _tf32(u.dtype != torch.float32):
-                ys = torch.matmul(xr, Ct[..., 0])
-                ys -= torch.matmul(xi, Ct[..., 1])
-            ys += skip * u_h[sl]
-            y[sl].view(b, L, H, P).copy_(ys.transpose(1, 2))
+            readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
@@ -171,18 +151,21 @@ class _ProjectedSelectScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
-        half = u.dtype != torch.float32
-        with _tf32(half):
-            return _ProjectedSelectScan._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
-                                                  x0, x_re, x_im, C, D_skip, mask, "tf32" if half else "ieee")
+        # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
+        return _ProjectedSelectScan._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
+                                              x0, x_re, x_im, C, D_skip, mask,
+                                              "ieee" if u.dtype == torch.float32 else "tf32")
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
                   precision):
         from ..pd_scan.cuda import pd_scan_bwd_cuda_split
         from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+        from .triton_readout import injection_bwd, readout_bwd
         from .triton_ste import float_planes, ste_grads_triton
 
+        if g_y is not None and g_y.stride(-1) != 1:
+            g_y = g_y.contiguous()
         b_gate, unit_snap, phase_levels = ctx.b_gate, ctx.unit_snap, ctx.phase_levels
         B, L, d = u.shape
         H, K, N = M.shape[:3]
@@ -190,13 +173,10 @@ class _ProjectedSelectScan(torch.autograd.Function):
         W = Wx.shape[0] // H
         dev = x_re.device
         u_h = u.view(B, L, H, P).transpose(1, 2)
-        Cf = C.float()
-        C_re, C_im = Cf[..., 0], Cf[..., 1]                                  # [H, P, N]
-        skip = D_skip.float().view(1, H, 1, P)
+        Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
         if b_gate != "off":
             Bt = _ProjectedSelectScan._injection_weight(Bw, u.dtype)
-            Bf = Bw.float()
         gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
         G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
         gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
@@ -209,17 +189,8 @@ class _ProjectedSelectScan(torch.autograd.Function):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
-            ub = u_h[sl].float()
-            if g_y is None:
-                gy = torch.zeros(xr.shape[:3] + (P,), device=dev)
-            else:
-                gy = g_y[sl].view(b, L, H, P).transpose(1, 2).float().contiguous()  # [b, H, L, P]
-            gskip += (gy * ub).sum((0, 2))
-            g_ub = gy * skip
-            gC[0] += _weight_grad(gy, xr)
-            gC[1] -= _weight_grad(gy, xi)
-            g_re, g_im = gy @ C_re, torch.matmul(gy, C_im).neg_()
-            del gy
+            gy = torch.zeros_like(u[sl]) if g_y is None else g_y[sl]                 # [b, L, H*P]
+            g_re, g_im = readout_bwd(gy, xr, xi, Cf, u[sl], gC, gskip, precision)
             if g_last_re is not None:
                 g_re[:, :, -1] += g_last_re[sl]
             if g_last_im is not None:
@@ -253,17 +224,14 @@ class _ProjectedSelectScan(torch.autograd.Function):
                     if g_bias_gate is not None:
                         gbias += g_bias_gate
                     gb_re, gb_im = gb_re * gate, gb_im * gate
-                gBw[0] += _weight_grad(gb_re, ub)
-                gBw[1] += _weight_grad(gb_im, ub)
-                g_ub += gb_re @ Bf[..., 0]
-                g_ub += gb_im @ Bf[..., 1]
-            # the projection proj = u Wx^T
+                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, gBw, precision)
+            else:
+                g_ub = injection_bwd(None, None, gy, u[sl], skip, Bf, None, precision)
+            # the projection proj = u Wx^T; dL/du = dL/dproj Wx + the skip's and the injection's parts
             gp = gproj.view(b * L, H * W)
             gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            g_us = (gp @ Wu).view(b, L, H, P).float()
-            g_us += g_ub.transpose(1, 2)
-            g_u[sl].view(b, L, H, P).copy_(g_us)
-            del gproj, gp, g_us, g_ub
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            del gproj, gp, g_ub, gy
         gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
         gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
         gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
