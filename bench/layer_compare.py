@@ -171,6 +171,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--decode", type=int, default=0, help="batch of the one-token decode timing (0: none)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode timing, no forward/backward table")
     ap.add_argument("--quick-autotune", action="store_true",
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
@@ -201,7 +202,7 @@ def main():
     print("\nms = forward + backward (forward alone), GiB = peak above weights + input\n")
     print("| B | L | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
     print("|---|---|" + "---|---|" * len(layers), flush=True)
-    for B in args.batch:
+    for B in [] if args.decode_only else args.batch:
         for L in args.lengths:
             row = [str(B), str(L)]
             for kind, (label, layer) in layers.items():

@@ -135,8 +135,9 @@ def _conv_silu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, L, C, sxb, sxl, W: tl.cons
 
 
 @triton.jit
-def _conv_silu_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, dx_ptr, dw_ptr, db_ptr, L, C, sxb, sxl, sgb, sgl,
-                          BLOCKS_PER_PROG, W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_silu_gpre_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, gpre_ptr, dw_ptr, db_ptr, L, C, sxb, sxl, sgb, sgl,
+                           BLOCKS_PER_PROG, W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    """gpre = dL/d(conv before SiLU), stored; the weights' gradients summed over this program's rows."""
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     bb = tl.program_id(2)
     cm = c < C
@@ -145,27 +146,39 @@ def _conv_silu_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, dx_ptr, dw_ptr, db_ptr, L
     db = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for i in range(BLOCKS_PER_PROG):
         t = (tl.program_id(0) * BLOCKS_PER_PROG + i) * BLOCK_L + tl.arange(0, BLOCK_L)
-        dx = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
-        for s in tl.static_range(W):   # dx_t = sum_s w_{W-1-s} gpre_{t+s}, gpre recomputed at each shift
-            ts = t + s
-            pre = _conv_pre(x_ptr, w_ptr, b_ptr, bb, ts, c, L, C, sxb, sxl, W)
-            sig = 1.0 / (1.0 + tl.exp(-pre))
-            ok = (ts[:, None] < L) & cm[None, :]
-            gy = tl.load(gy_ptr + bb.to(tl.int64) * sgb + ts[:, None].to(tl.int64) * sgl + c[None, :], mask=ok,
-                         other=0.0).to(tl.float32)
-            gpre = gy * sig * (1.0 + pre * (1.0 - sig))
-            dx += gpre * tl.load(w_ptr + c * W + (W - 1 - s), mask=cm, other=0.0).to(tl.float32)[None, :]
-            if s == 0:   # the weights' gradients from the rows t themselves
-                db += tl.sum(gpre, axis=0)
-                for j in tl.static_range(W):
-                    src = t - (W - 1) + j
-                    xv = tl.load(x_ptr + bb.to(tl.int64) * sxb + src[:, None].to(tl.int64) * sxl + c[None, :],
-                                 mask=((src >= 0) & (src < L))[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                    dw += tl.where(jw[None, :] == j, tl.sum(gpre * xv, axis=0)[:, None], 0.0)
-        offs = (bb.to(tl.int64) * L + t[:, None]) * C + c[None, :]
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=(t[:, None] < L) & cm[None, :])
+        ok = (t[:, None] < L) & cm[None, :]
+        pre = _conv_pre(x_ptr, w_ptr, b_ptr, bb, t, c, L, C, sxb, sxl, W)
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        gy = tl.load(gy_ptr + bb.to(tl.int64) * sgb + t[:, None].to(tl.int64) * sgl + c[None, :], mask=ok,
+                     other=0.0).to(tl.float32)
+        gpre = gy * sig * (1.0 + pre * (1.0 - sig))
+        tl.store(gpre_ptr + (bb.to(tl.int64) * L + t[:, None]) * C + c[None, :],
+                 gpre.to(gpre_ptr.dtype.element_ty), mask=ok)
+        db += tl.sum(gpre, axis=0)
+        for j in tl.static_range(W):
+            src = t - (W - 1) + j
+            xv = tl.load(x_ptr + bb.to(tl.int64) * sxb + src[:, None].to(tl.int64) * sxl + c[None, :],
+                         mask=((src >= 0) & (src < L))[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            dw += tl.where(jw[None, :] == j, tl.sum(gpre * xv, axis=0)[:, None], 0.0)
     tl.atomic_add(dw_ptr + c[:, None] * W + jw[None, :], dw, mask=cm[:, None], sem="relaxed")
     tl.atomic_add(db_ptr + c, db, mask=cm, sem="relaxed")
+
+
+@triton.jit
+def _conv_dx_kernel(gpre_ptr, w_ptr, dx_ptr, L, C, W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx_t = sum_s w_{W-1-s} gpre_{t+s}: the convolution's transpose."""
+    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    bb = tl.program_id(2)
+    cm = c < C
+    dx = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(W):
+        ts = t + s
+        g = tl.load(gpre_ptr + (bb.to(tl.int64) * L + ts[:, None]) * C + c[None, :],
+                    mask=(ts[:, None] < L) & cm[None, :], other=0.0).to(tl.float32)
+        dx += g * tl.load(w_ptr + c * W + (W - 1 - s), mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(dx_ptr + (bb.to(tl.int64) * L + t[:, None]) * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(t[:, None] < L) & cm[None, :])
 
 
 _CONV_BLOCK_L, _CONV_BLOCK_C = 32, 128
@@ -183,17 +196,23 @@ def conv_silu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 
 def conv_silu_bwd(x, weight, bias, grad_y):
-    """(dx [B, L, C] in x's dtype, dweight, dbias in their dtypes) of `conv_silu_fwd`."""
+    """(dx [B, L, C] in x's dtype, dweight, dbias in their dtypes) of `conv_silu_fwd`: one pass for the gradient
+    before SiLU (kept in x's dtype, as the torch path's convolution backward has it) and the weights' sums, one
+    for dx."""
     B, L, C = x.shape
     W = weight.shape[1]
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     dw = torch.zeros(C, W, device=x.device, dtype=torch.float32)
     db = torch.zeros(C, device=x.device, dtype=torch.float32)
     if B * L:
+        gpre = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
         blocks = triton.cdiv(L, _CONV_BLOCK_L)
         per = min(blocks, 8)
         grid = (triton.cdiv(blocks, per), triton.cdiv(C, _CONV_BLOCK_C), B)
-        _conv_silu_bwd_kernel[grid](x, weight, bias, grad_y, dx, dw, db, L, C, x.stride(0), x.stride(1),
-                                    grad_y.stride(0), grad_y.stride(1), per, W=W, BLOCK_L=_CONV_BLOCK_L,
-                                    BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+        _conv_silu_gpre_kernel[grid](x, weight, bias, grad_y, gpre, dw, db, L, C, x.stride(0), x.stride(1),
+                                     grad_y.stride(0), grad_y.stride(1), per, W=W, BLOCK_L=_CONV_BLOCK_L,
+                                     BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+        _conv_dx_kernel[(blocks, triton.cdiv(C, _CONV_BLOCK_C), B)](gpre, weight, dx, L, C, W=W,
+                                                                    BLOCK_L=_CONV_BLOCK_L, BLOCK_C=_CONV_BLOCK_C,
+                                                                    num_warps=4)
     return dx, dw.to(weight.dtype), db.to(bias.dtype)
