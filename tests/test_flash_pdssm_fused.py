@@ -113,3 +113,22 @@ def test_fused_path_matches_torch_path_interpreted():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     _assert_close(json.loads(out.stdout.strip().splitlines()[-1]), 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_steps_match_fused_forward_cuda():
+    """A decode step (one token, no autograd) takes the torch path; token by token from the carried state it must
+    give what the fused path gives for the whole sequence at once."""
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+    torch.manual_seed(1)
+    layer = FlashPDSSM(128, x_init_std=0.1).cuda()
+    x = torch.randn(2, 9, 128, device="cuda")
+    with torch.no_grad():
+        y_full = layer(x)
+        state, ys = None, []
+        for t in range(x.shape[1]):
+            y, state = layer.step(x[:, t], state)
+            ys.append(y)
+    rel = ((torch.stack(ys, 1) - y_full).norm() / y_full.norm()).item()
+    assert rel < 1e-5, rel

@@ -222,7 +222,10 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        if self.fused and self.complex and projected.usable(u):
+        # one token without autograd (a decode step): the torch path's few small launches cost less than the
+        # fused op's fixed per-call work (bench/layer_compare.py --decode)
+        decode = u.shape[1] == 1 and not torch.is_grad_enabled()
+        if self.fused and self.complex and not decode and projected.usable(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)

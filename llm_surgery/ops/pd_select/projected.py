@@ -93,26 +93,10 @@ class _ProjectedSelectScan(torch.autograd.Function):
         return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _ProjectedSelectScan.SLICE_BYTES)
 
     @staticmethod
-    def _injection_weight(Bw, dtype):
-        """[H, P, 2N]: both planes of B_h^T side by side, so b is one GEMM."""
-        return torch.cat([Bw[..., 0], Bw[..., 1]], dim=1).to(dtype).transpose(-1, -2)
-
-    @staticmethod
-    def _injection(u_h, Bt, gate, N):
-        """b planes of one batch slice u_h [b, H, L, P]: (B_h u_t) * gate, float32 [b, H, L, N]; Bt from
-        `_injection_weight`."""
-        b = u_h.contiguous() @ Bt
-        b_re = b[..., :N].to(torch.float32, memory_format=torch.contiguous_format)
-        b_im = b[..., N:].to(torch.float32, memory_format=torch.contiguous_format)
-        if gate is not None:
-            b_re, b_im = b_re * gate, b_im * gate
-        return b_re, b_im
-
-    @staticmethod
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
         from ..pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..pd_transition.triton_fused import transition_fwd_triton
-        from .triton_readout import readout_fwd
+        from .triton_readout import injection_fwd, readout_fwd
 
         if u.stride(-1) != 1:
             u = u.contiguous()
@@ -120,12 +104,11 @@ class _ProjectedSelectScan(torch.autograd.Function):
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
-        u_h = u.view(B, L, H, P).transpose(1, 2)
         P_dict = column_argmax(M)
         Cf, skip = C.float().contiguous(), D_skip.float().contiguous()
         precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
-        Bt = None if b_gate == "off" else _ProjectedSelectScan._injection_weight(Bw, u.dtype)
+        Bf = Bw.float().contiguous()
         x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
         x_im = torch.empty_like(x_re)
         y = torch.empty_like(u)
@@ -137,8 +120,11 @@ class _ProjectedSelectScan(torch.autograd.Function):
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
+                b_re, b_im = injection_fwd(u[sl], Bf, precision)
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
-                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bt, gate, N)
+                if gate is not None:
+                    b_re.mul_(gate)
+                    b_im.mul_(gate)
             del proj
             xr, xi = x_re[sl], x_im[sl]
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
@@ -161,7 +147,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
                   precision):
         from ..pd_scan.cuda import pd_scan_bwd_cuda_split
         from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
-        from .triton_readout import injection_bwd, readout_bwd
+        from .triton_readout import injection_bwd, injection_fwd, readout_bwd
         from .triton_ste import float_planes, ste_grads_triton
 
         if g_y is not None and g_y.stride(-1) != 1:
@@ -172,11 +158,8 @@ class _ProjectedSelectScan(torch.autograd.Function):
         P = C.shape[1]
         W = Wx.shape[0] // H
         dev = x_re.device
-        u_h = u.view(B, L, H, P).transpose(1, 2)
         Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
-        if b_gate != "off":
-            Bt = _ProjectedSelectScan._injection_weight(Bw, u.dtype)
         gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
         G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
         gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
@@ -216,7 +199,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             if b_gate != "off":
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
-                    b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bt, None, N)
+                    b0_re, b0_im = injection_fwd(u[sl], Bf, precision)
                     gg = gb_re * b0_re + gb_im * b0_im
                     del b0_re, b0_im
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg

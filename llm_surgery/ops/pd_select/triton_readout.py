@@ -1,6 +1,7 @@
 """Triton kernels for the per-head matrix products around the scan in `projected.py`, one program per (token
 block, head, sequence), reading u, y and their gradients in the layer's own [b, L, H*P] layout:
 
+  injection forward:  b = (B_re u, B_im u) as float32 planes
   readout forward:    y = x_re C_re^T - x_im C_im^T + D_skip * u
   readout backward:   dL/dx = (g C_re, -g C_im) as planes; dL/dC += (g^T x_re, -g^T x_im); dL/dD_skip += sum g * u
   injection backward: dL/du (before x_proj) = g * D_skip + gb_re B_re + gb_im B_im;  dL/dB += (gb_re^T u, gb_im^T u)
@@ -45,6 +46,22 @@ def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, s
     y += tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)[None, :] * u
     tl.store(y_ptr + b.to(tl.int64) * sy_b + t[:, None].to(tl.int64) * sy_l + h * P + p[None, :],
              y.to(y_ptr.dtype.element_ty), mask=pm)
+
+
+@triton.jit
+def _injection_fwd_kernel(u_ptr, bw_ptr, bre_ptr, bim_ptr, L, H, su_b, su_l, N: tl.constexpr, P: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0))
+    tm = t < L
+    u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :],
+                mask=tm[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
+    bw = bw_ptr + ((h * N + n[None, :]) * P + p[:, None]) * 2                 # B[h, n, p, :] as [p, n]
+    wmask = (p[:, None] < P) & (n[None, :] < N)
+    xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
+    xm = tm[:, None] & (n[None, :] < N)
+    tl.store(bre_ptr + xo, tl.dot(u, tl.load(bw, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
+    tl.store(bim_ptr + xo, tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
 
 
 @triton.jit
@@ -141,6 +158,21 @@ def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
         _readout_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
             x_re, x_im, C, D_skip, u, y, L, H, u.stride(0), u.stride(1), y.stride(0), y.stride(1), N=N, P=P,
             BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
+
+
+def injection_fwd(u, Bw, precision: str):
+    """The injection planes (B_h u_t) [b, H, L, N] float32 (re, im) from u [b, L, H*P] and Bw [H, N, P, 2] float32
+    contiguous."""
+    b, L = u.shape[:2]
+    H, N, P = Bw.shape[:3]
+    bn, bp = _blocks(N, P)
+    b_re = torch.empty(b, H, L, N, device=u.device, dtype=torch.float32)
+    b_im = torch.empty_like(b_re)
+    if b * L:
+        _injection_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
+            u, Bw, b_re, b_im, L, H, u.stride(0), u.stride(1), N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp,
+            PRECISION=precision, num_warps=4)
+    return b_re, b_im
 
 
 def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str):
