@@ -222,8 +222,9 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        # one token without autograd (a decode step): the torch path's few small launches cost less than the
-        # fused op's fixed per-call work (bench/layer_compare.py --decode)
+        # one token without autograd (a decode step) takes the torch path: the fused op's per-call setup serves long
+        # sequences; at one token both are launch-bound (1.5 ms against 1.1-1.8 ms per layer step at batch 32 on
+        # an H100, bench/layer_compare.py --decode, within the run-to-run spread)
         decode = u.shape[1] == 1 and not torch.is_grad_enabled()
         if self.fused and self.complex and not decode and projected.usable(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
