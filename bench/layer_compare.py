@@ -174,9 +174,14 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="only the decode timing, no forward/backward table")
     ap.add_argument("--quick-autotune", action="store_true",
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
+    ap.add_argument("--pdssm-slice-mib", type=int, default=0,
+                    help="batch-slice budget of the fused Flash PD-SSM op in MiB (0: its default)")
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
     args = ap.parse_args()
+    if args.pdssm_slice_mib:
+        from llm_surgery.ops.pd_select.projected import _ProjectedSelectScan
+        _ProjectedSelectScan.SLICE_BYTES = args.pdssm_slice_mib << 20
     if args.quick_autotune:
         from llm_surgery.triton_autotune import quick_autotune
         quick_autotune()
