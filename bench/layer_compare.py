@@ -1,75 +1,184 @@
-"""One mixer layer, forward + backward, side by side: Flash PD-SSM vs Mamba2 (mamba-ssm kernels) vs DeltaNet
-(fla kernels), parameter-matched at one model width (registry defaults), bf16, on one GPU.
+"""One mixer layer, side by side with the libraries' own layers, bf16, on one GPU: forward + backward time,
+forward-only time, peak memory, and (--decode) one-token decode steps.
 
-    PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 16 --lengths 1024 2048 4096 5120 8192
+    PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 8 32 --lengths 1024 2048 4096 8192
 
-Prints time per fwd+bwd (median of CUDA-event timings after warm-up) and peak memory above the resting
-weights+input, as a markdown table, plus the device, versions and date.
+Layers (--kinds; all built in bf16, train mode, parameter-matched through the libraries' own knobs):
+  pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `fused = False`)
+  fla-deltanet    fla.layers.DeltaNet(num_heads=14, expand_k=expand_v=1.75) at width 1024 (7.38M vs 7.48M);
+                  at other widths expand 1.75 and heads = width * 1.75 / 128
+  mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
+                  (mamba_split_conv1d_scan_combined) when causal-conv1d is importable, else use_mem_eff_path=False
+                  (nn.Conv1d + the Triton chunk scan); the label says which
+  block-mamba2 / block-deltanet   this project's own blocks around the library scans (layers/registry.py)
+Time: median of CUDA-event timings after warm-up (the first calls compile and run the Triton autotuners in full
+unless --quick-autotune). Peak: max_memory_allocated during one step minus what was allocated before it
+(weights + input). One step: out = layer(x); out.backward(g) with a fixed random g.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata as md
+import importlib.util
+import json
 import platform
+import sys
+import types
 
 import torch
 from cuda_timing import median_ms
 
 
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "absent"
+
+
+def import_mamba2():
+    """mamba_ssm's Mamba2 module. mamba_ssm/__init__ imports the compiled Mamba-1 selective scan, which Mamba2 does
+    not use; when that is not built, the package is registered bare and the submodule imported directly."""
+    try:
+        import mamba_ssm  # noqa: F401
+    except ImportError:
+        for k in [k for k in sys.modules if k == "mamba_ssm" or k.startswith("mamba_ssm.")]:
+            del sys.modules[k]
+        spec = importlib.util.find_spec("mamba_ssm")
+        pkg = types.ModuleType("mamba_ssm")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["mamba_ssm"] = pkg
+    from mamba_ssm.modules import mamba2
+    return mamba2
+
+
+def build(kind: str, width: int):
+    """(label, module) for one --kinds entry."""
+    torch.manual_seed(0)
+    if kind in ("pdssm", "pdssm-ref"):
+        from llm_surgery.layers.registry import build_mixer
+        layer = build_mixer("pdssm", width)
+        layer.fused = kind == "pdssm"
+        label = "FlashPDSSM" + (" (torch reference path)" if kind == "pdssm-ref" else "")
+    elif kind == "fla-deltanet":
+        from fla.layers import DeltaNet
+        heads = 14 * width // 1024
+        layer = DeltaNet(hidden_size=width, num_heads=heads, expand_k=1.75, expand_v=1.75, mode="chunk")
+        label = f"fla DeltaNet(heads={heads}, expand 1.75)"
+    elif kind == "mamba2":
+        m2 = import_mamba2()
+        from mamba_ssm.ops.triton import ssd_combined
+        fused = ssd_combined.causal_conv1d_fwd_function is not None
+        layer = m2.Mamba2(d_model=width, d_state=128, headdim=64, expand=2, use_mem_eff_path=fused)
+        label = ("mamba_ssm Mamba2 fused (causal-conv1d)" if fused
+                 else "mamba_ssm Mamba2 unfused (no causal-conv1d: nn.Conv1d + Triton scan)")
+    elif kind.startswith("block-"):
+        from llm_surgery.layers.registry import build_mixer
+        layer = build_mixer(kind[6:], width, backend="kernel")
+        label = f"project block {kind[6:]}"
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return label, layer.cuda().to(torch.bfloat16).train()
+
+
+def first(o):
+    return o[0] if isinstance(o, (tuple, list)) else o
+
+
 def measure(layer, x, iters: int, warmup: int):
-    grad = torch.randn_like(x)
+    """(fwd+bwd ms, forward ms, peak bytes above weights + input)."""
+    g = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=torch.Generator("cuda").manual_seed(1))
 
     def step():
         x.grad = None
-        layer(x).backward(grad)
+        for p in layer.parameters():
+            p.grad = None
+        first(layer(x)).backward(g)
+
+    def fwd():
+        first(layer(x))
 
     for _ in range(warmup):
         step()
+    step()
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return median_ms(step, iters, warmup=0), peak
+    return median_ms(step, iters, warmup=1), median_ms(fwd, iters, warmup=1), peak
 
 
-def profile(build_mixer, args) -> None:
-    """Where one fwd+bwd of a layer spends its GPU time (the first length of --lengths)."""
+def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
+    """One token for a batch, from a state after an 8-token prefill, through the layer's own cached path."""
+    x = torch.randn(batch, 8, width, device="cuda", dtype=torch.bfloat16)
+    tok = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        if kind.startswith("pdssm"):
+            layer.eval()
+            _, state = layer(x, return_state=True)
+            return median_ms(lambda: layer.step(tok, state), iters, warmup=3)
+        if kind == "fla-deltanet":
+            from fla.models.utils import Cache
+            layer.eval()
+            layer.layer_idx = 0
+            cache = Cache()
+            layer(x, past_key_values=cache, use_cache=True)
+            t1 = tok.unsqueeze(1)
+
+            def one():  # the cache grows nothing for DeltaNet: each call overwrites the layer's states
+                layer(t1, past_key_values=cache, use_cache=True)
+            return median_ms(one, iters, warmup=3)
+        if kind == "mamba2":
+            layer.eval()
+            conv, ssm = layer.allocate_inference_cache(batch, 1, dtype=torch.bfloat16)
+            return median_ms(lambda: layer.step(tok.unsqueeze(1), conv, ssm), iters, warmup=3)
+    return float("nan")
+
+
+def profile(kind, args) -> None:
+    """Where one fwd+bwd of a layer spends its GPU time (the first batch and length given)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    torch.manual_seed(0)
-    layer = build_mixer(args.profile, args.width).cuda().to(torch.bfloat16)
-    L = args.lengths[0]
-    x = torch.randn(args.batch, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ms, peak = measure(layer, x, args.iters, args.warmup)
-    print(f"{args.profile}: {layer.extra_repr() if hasattr(layer, 'extra_repr') else ''}")
-    print(f"B={args.batch} L={L} width={args.width}: fwd+bwd {ms:.2f} ms, peak {peak / 2**30:.2f} GiB")
-    grad = torch.randn_like(x)
+    label, layer = build(kind, args.width)
+    B, L = args.batch[0], args.lengths[0]
+    x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+    print(f"{label}: B={B} L={L} width={args.width}: fwd+bwd {ms:.2f} ms, forward {fwd:.2f} ms, "
+          f"peak {peak / 2**30:.2f} GiB")
+    g = torch.randn_like(x)
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            layer(x).backward(grad)
+            first(layer(x)).backward(g)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+    print("(3 steps; divide by 3 for one)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 5120, 8192])
-    ap.add_argument("--kinds", nargs="+", default=["pdssm", "mamba2", "deltanet"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--kinds", nargs="+", default=["pdssm", "fla-deltanet", "mamba2"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=0, help="batch of the one-token decode timing (0: none)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode timing, no forward/backward table")
     ap.add_argument("--quick-autotune", action="store_true",
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--pdssm-slice-mib", type=int, default=0,
                     help="batch-slice budget of the fused Flash PD-SSM op in MiB (0: its default)")
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
+    ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
     args = ap.parse_args()
-    from llm_surgery.layers.registry import build_mixer
-
     if args.pdssm_slice_mib:
         from llm_surgery.ops.pd_select.projected import _ProjectedSelectScan
         _ProjectedSelectScan.SLICE_BYTES = args.pdssm_slice_mib << 20
@@ -77,39 +186,54 @@ def main():
         from llm_surgery.triton_autotune import quick_autotune
         quick_autotune()
     if args.profile:
-        profile(build_mixer, args)
+        profile(args.profile, args)
         return
-
-    print(f"# layer fwd+bwd, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, python {platform.python_version()}, {datetime.date.today()}, "
-          f"Triton autotuning {'cut to the leanest config that runs' if args.quick_autotune else 'full'}")
+    import triton
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
+          f"{triton.__version__}, python {platform.python_version()}, flash-linear-attention "
+          f"{_version('flash-linear-attention')}, fla-core {_version('fla-core')}, mamba_ssm {_version('mamba_ssm')}, "
+          f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, Triton autotuning "
+          f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}")
     layers = {}
     for kind in args.kinds:
-        torch.manual_seed(0)
         try:
-            # mamba2 / deltanet must run their fused kernels here: backend="kernel" raises instead of falling back
-            extra = {"backend": "kernel"} if kind in ("mamba2", "deltanet") else {}
-            layers[kind] = build_mixer(kind, args.width, **extra).cuda().to(torch.bfloat16)
+            layers[kind] = build(kind, args.width)
         except Exception as e:  # report, keep measuring the others
             print(f"{kind}: could not build ({type(e).__name__}: {e})")
-    print("| kind | params |\n|---|---|")
-    for kind, layer in layers.items():
-        print(f"| {kind} | {sum(p.numel() for p in layer.parameters()) / 1e6:.2f} M |")
-    print("\n| L | batch | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
-    print("|---|---|" + "---|---|" * len(layers))
-    for L in args.lengths:
-        row = [str(L), str(args.batch)]
-        for kind, layer in layers.items():
-            x = torch.randn(args.batch, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    print("\n| kind | layer | params |\n|---|---|---|")
+    for kind, (label, layer) in layers.items():
+        print(f"| {kind} | {label} | {sum(p.numel() for p in layer.parameters()) / 1e6:.2f} M |")
+    print("\nms = forward + backward (forward alone), GiB = peak above weights + input\n")
+    print("| B | L | " + " | ".join(f"{k} ms | {k} GiB" for k in layers) + " |")
+    print("|---|---|" + "---|---|" * len(layers), flush=True)
+    for B in [] if args.decode_only else args.batch:
+        for L in args.lengths:
+            row = [str(B), str(L)]
+            for kind, (label, layer) in layers.items():
+                x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                try:
+                    ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+                    row += [f"{ms:.2f} ({fwd:.2f})", f"{peak / 2**30:.2f}"]
+                    if args.json:
+                        with open(args.json, "a") as f:
+                            f.write(json.dumps({"kind": kind, "layer": label, "B": B, "L": L, "width": args.width,
+                                                "fwd_bwd_ms": ms, "fwd_ms": fwd, "peak_GiB": peak / 2**30}) + "\n")
+                except Exception as e:
+                    row += [f"error: {type(e).__name__}", "-"]
+                    print(f"{kind} B={B} L={L}: {type(e).__name__}: {str(e)[:300]}")
+                del x
+                for p in layer.parameters():
+                    p.grad = None
+                torch.cuda.empty_cache()
+            print("| " + " | ".join(row) + " |", flush=True)
+    if args.decode:
+        print(f"\none-token decode step, batch {args.decode}, after an 8-token prefill:\n")
+        for kind, (label, layer) in layers.items():
             try:
-                ms, peak = measure(layer, x, args.iters, args.warmup)
-                row += [f"{ms:.2f}", f"{peak / 2**30:.2f}"]
+                print(f"| {kind} | {decode_ms(kind, layer, args.decode, args.width, 50):.3f} ms |", flush=True)
             except Exception as e:
-                row += [f"error: {type(e).__name__}", "-"]
-                print(f"{kind} L={L}: {type(e).__name__}: {str(e)[:300]}")
-            del x
-            torch.cuda.empty_cache()
-        print("| " + " | ".join(row) + " |", flush=True)
+                print(f"| {kind} | error: {type(e).__name__}: {str(e)[:200]} |")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,45 @@ def check_attention_mask(attention_mask: torch.Tensor | None, hidden_states: tor
                          f"found {value!r}")
 
 
+def _block_kernels(x: torch.Tensor):
+    """The Triton kernels of `block_kernels.py` for a CUDA tensor of a kernel dtype, else None (torch path)."""
+    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(-1) != 1:
+        return None
+    try:
+        from . import block_kernels
+    except ImportError:
+        return None
+    return block_kernels
+
+
+class _ConvSiluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return _block_kernels(x).conv_silu_fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, bias = ctx.saved_tensors
+        if grad_y.stride(-1) != 1:
+            grad_y = grad_y.contiguous()
+        return _block_kernels(x).conv_silu_bwd(x, weight, bias, grad_y)
+
+
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(causal_conv1d(x, ...)), new_conv_state): on CUDA, a fresh sequence (no conv_state) with a bias and a
+    power-of-two kernel runs one Triton kernel per pass that reads x in place (no transposes or concatenation)."""
+    W = weight.shape[-1]
+    if (conv_state is None and bias is not None and W & (W - 1) == 0 and x.shape[1] and _block_kernels(x) is not None
+            and weight.dtype == x.dtype):
+        y = _ConvSiluFn.apply(x, weight.contiguous(), bias)
+        tail = x[:, x.shape[1] - min(x.shape[1], W - 1):].transpose(1, 2)
+        return y, F.pad(tail, (W - 1 - tail.shape[-1], 0)).contiguous()
+    y, state = causal_conv1d(x, weight, bias, conv_state)
+    return F.silu(y), state
+
+
 def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero the positions that are padding ([B, L] mask, 1 = token) so they cannot write into the state."""
     if attention_mask is None:
@@ -107,6 +146,9 @@ class _GatedRMSNormFn(torch.autograd.Function):
         ctx.group_size, ctx.eps = group_size, eps
         d = x.shape[-1]
         xr, zr = x.reshape(-1, d), None if z is None else z.reshape(-1, d)
+        kernels = _GatedRMSNormFn._kernels(xr, zr)
+        if kernels is not None:
+            return kernels.gated_norm_fwd(xr, zr, weight, group_size, eps).view(x.shape)
         out = torch.empty_like(xr)
         for r in _GatedRMSNormFn._slices(xr.shape[0], d):
             h, _, _ = _gated_rms_norm(xr[r], None if zr is None else zr[r], group_size, eps)
@@ -114,10 +156,22 @@ class _GatedRMSNormFn(torch.autograd.Function):
         return out.view(x.shape)
 
     @staticmethod
+    def _kernels(xr, zr):
+        """Triton kernels for a gated norm whose rows are unit-stride rows of one dtype (the blocks' case)."""
+        if zr is None or zr.dtype != xr.dtype or zr.stride(-1) != 1:
+            return None
+        return _block_kernels(xr)
+
+    @staticmethod
     def backward(ctx, grad_out):
         x, z, weight = ctx.saved_tensors
         gs, d = ctx.group_size, x.shape[-1]
         xr, zr, gr = x.reshape(-1, d), None if z is None else z.reshape(-1, d), grad_out.reshape(-1, d)
+        kernels = _GatedRMSNormFn._kernels(xr, zr)
+        if kernels is not None:
+            dx, dz, gw = kernels.gated_norm_bwd(xr, zr, weight, gr if gr.stride(-1) == 1 else gr.contiguous(), gs,
+                                                ctx.eps)
+            return dx.view(x.shape), dz.view(z.shape), gw, None, None
         dx = torch.empty_like(xr)
         dz = None if z is None else torch.empty_like(zr)
         gw = None

@@ -21,7 +21,7 @@ from ..ops.pd_scan import pd_scan
 from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
 from ..ops.pd_select import projected
 from ..ops.pd_transition import round_phase, snap_magnitude
-from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
+from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d_silu, check_attention_mask, check_hidden_states
 
 
 def _pow2_near(x: float) -> int:
@@ -226,8 +226,8 @@ class FlashPDSSM(nn.Module):
         conv_state, x0 = state if state is not None else (None, None)
         z, u = self.in_proj(hidden_states).chunk(2, dim=-1)
         u = apply_padding_mask(u, attention_mask)
-        u, new_conv = causal_conv1d(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
-        u = apply_padding_mask(F.silu(u), attention_mask)
+        u, new_conv = causal_conv1d_silu(u, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state)
+        u = apply_padding_mask(u, attention_mask)
         # The scan and its inputs run in float32 (float64 if asked) even under bf16 autocast: the complex
         # inputs, the hard argmaxes and the long recurrence need it; the big projections stay in autocast.
         device = u.device.type
@@ -247,7 +247,11 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        if self.fused and self.complex and projected.usable(u):
+        # one token without autograd (a decode step) takes the torch path: the fused op's per-call setup serves long
+        # sequences; at one token both are launch-bound (1.5 ms against 1.1-1.8 ms per layer step at batch 32 on
+        # an H100, bench/layer_compare.py --decode, within the run-to-run spread)
+        decode = u.shape[1] == 1 and not torch.is_grad_enabled()
+        if self.fused and self.complex and not decode and projected.usable(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)

@@ -9,7 +9,9 @@ Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_reado
 tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
 complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the states and the
 weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
-batch slice. CUDA only: `usable(u)` says whether it can run.
+batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
+kernels (`triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout. CUDA only:
+`usable(u)` says whether it can run.
 """
 
 from __future__ import annotations
@@ -31,17 +33,6 @@ def usable(t: torch.Tensor) -> bool:
     except ImportError:
         return False
     return cuda.available()
-
-
-def _weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum over the batch of a^T b ([b, H, L, p], [b, H, L, n] -> [H, p, n]) with TF32 allowed: long, thin
-    GEMMs whose float32 kernels took ~10 ms per layer step; the torch path computes these in bf16."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        return (a.transpose(-1, -2) @ b).sum(0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -102,36 +93,22 @@ class _ProjectedSelectScan(torch.autograd.Function):
         return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _ProjectedSelectScan.SLICE_BYTES)
 
     @staticmethod
-    def _injection_weight(Bw, dtype):
-        """[H, P, 2N]: both planes of B_h^T side by side, so b is one GEMM."""
-        return torch.cat([Bw[..., 0], Bw[..., 1]], dim=1).to(dtype).transpose(-1, -2)
-
-    @staticmethod
-    def _injection(u_h, Bt, gate, N):
-        """b planes of one batch slice u_h [b, H, L, P]: (B_h u_t) * gate, float32 [b, H, L, N]; Bt from
-        `_injection_weight`."""
-        b = u_h.contiguous() @ Bt
-        b_re = b[..., :N].to(torch.float32, memory_format=torch.contiguous_format)
-        b_im = b[..., N:].to(torch.float32, memory_format=torch.contiguous_format)
-        if gate is not None:
-            b_re, b_im = b_re * gate, b_im * gate
-        return b_re, b_im
-
-    @staticmethod
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
         from ..pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..pd_transition.triton_fused import transition_fwd_triton
+        from .triton_readout import injection_fwd, readout_fwd
 
+        if u.stride(-1) != 1:
+            u = u.contiguous()
         B, L, _ = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
-        u_h = u.view(B, L, H, P).transpose(1, 2)
         P_dict = column_argmax(M)
-        Ct = C.float().transpose(1, 2)                                      # [H, N, P, 2]
-        skip = D_skip.float().view(1, H, 1, P)
+        Cf, skip = C.float().contiguous(), D_skip.float().contiguous()
+        precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
-        Bt = None if b_gate == "off" else _ProjectedSelectScan._injection_weight(Bw, u.dtype)
+        Bf = Bw.float().contiguous()
         x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
         x_im = torch.empty_like(x_re)
         y = torch.empty_like(u)
@@ -143,42 +120,46 @@ class _ProjectedSelectScan(torch.autograd.Function):
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
+                b_re, b_im = injection_fwd(u[sl], Bf, precision)
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
-                b_re, b_im = _ProjectedSelectScan._injection(u_h[sl], Bt, gate, N)
+                if gate is not None:
+                    b_re.mul_(gate)
+                    b_im.mul_(gate)
             del proj
             xr, xi = x_re[sl], x_im[sl]
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
             del D_re, D_im, P_t, b_re, b_im
-            # readout y = Re(C x) + D_skip u = x_re C_re^T - x_im C_im^T + D_skip u, written in u's layout
-            ys = torch.matmul(xr, Ct[..., 0])
-            ys -= torch.matmul(xi, Ct[..., 1])
-            ys += skip * u_h[sl]
-            y[sl].view(b, L, H, P).copy_(ys.transpose(1, 2))
+            readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
+        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
+        # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
+        return _ProjectedSelectScan._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
+                                              x0, x_re, x_im, C, D_skip, mask,
+                                              "ieee" if u.dtype == torch.float32 else "tf32")
+
+    @staticmethod
+    def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
+                  precision):
         from ..pd_scan.cuda import pd_scan_bwd_cuda_split
         from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+        from .triton_readout import injection_bwd, injection_fwd, readout_bwd
         from .triton_ste import float_planes, ste_grads_triton
 
-        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
+        if g_y is not None and g_y.stride(-1) != 1:
+            g_y = g_y.contiguous()
         b_gate, unit_snap, phase_levels = ctx.b_gate, ctx.unit_snap, ctx.phase_levels
         B, L, d = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
         dev = x_re.device
-        u_h = u.view(B, L, H, P).transpose(1, 2)
-        Cf = C.float()
-        C_re, C_im = Cf[..., 0], Cf[..., 1]                                  # [H, P, N]
-        skip = D_skip.float().view(1, H, 1, P)
+        Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
-        if b_gate != "off":
-            Bt = _ProjectedSelectScan._injection_weight(Bw, u.dtype)
-            Bf = Bw.float()
         gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
         G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
         gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
@@ -191,17 +172,8 @@ class _ProjectedSelectScan(torch.autograd.Function):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
-            ub = u_h[sl].float()
-            if g_y is None:
-                gy = torch.zeros(xr.shape[:3] + (P,), device=dev)
-            else:
-                gy = g_y[sl].view(b, L, H, P).transpose(1, 2).float().contiguous()  # [b, H, L, P]
-            gskip += (gy * ub).sum((0, 2))
-            g_ub = gy * skip
-            gC[0] += _weight_grad(gy, xr)
-            gC[1] -= _weight_grad(gy, xi)
-            g_re, g_im = gy @ C_re, torch.matmul(gy, C_im).neg_()
-            del gy
+            gy = torch.zeros_like(u[sl]) if g_y is None else g_y[sl]                 # [b, L, H*P]
+            g_re, g_im = readout_bwd(gy, xr, xi, Cf, u[sl], gC, gskip, precision)
             if g_last_re is not None:
                 g_re[:, :, -1] += g_last_re[sl]
             if g_last_im is not None:
@@ -216,7 +188,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             del P_t
             # straight-through sums, then the transition's own backward
             G_s, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
-                                      m, K)
+                                      m, K, precision=precision)
             G += G_s
             del D_re, D_im, kstar
             gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
@@ -227,7 +199,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
             if b_gate != "off":
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
-                    b0_re, b0_im = _ProjectedSelectScan._injection(u_h[sl], Bt, None, N)
+                    b0_re, b0_im = injection_fwd(u[sl], Bf, precision)
                     gg = gb_re * b0_re + gb_im * b0_im
                     del b0_re, b0_im
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
@@ -235,17 +207,14 @@ class _ProjectedSelectScan(torch.autograd.Function):
                     if g_bias_gate is not None:
                         gbias += g_bias_gate
                     gb_re, gb_im = gb_re * gate, gb_im * gate
-                gBw[0] += _weight_grad(gb_re, ub)
-                gBw[1] += _weight_grad(gb_im, ub)
-                g_ub += gb_re @ Bf[..., 0]
-                g_ub += gb_im @ Bf[..., 1]
-            # the projection proj = u Wx^T
+                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, gBw, precision)
+            else:
+                g_ub = injection_bwd(None, None, gy, u[sl], skip, Bf, None, precision)
+            # the projection proj = u Wx^T; dL/du = dL/dproj Wx + the skip's and the injection's parts
             gp = gproj.view(b * L, H * W)
             gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            g_us = (gp @ Wu).view(b, L, H, P).float()
-            g_us += g_ub.transpose(1, 2)
-            g_u[sl].view(b, L, H, P).copy_(g_us)
-            del gproj, gp, g_us, g_ub
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            del gproj, gp, g_ub, gy
         gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
         gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
         gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)

@@ -98,8 +98,8 @@ def _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_p
 def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
                             work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                            SEG: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr,
-                            HAS_MASK: tl.constexpr):
+                            SEG: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
+                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
     item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
     tile = tl.program_id(1)
     tile_n = tile // TILES
@@ -128,10 +128,10 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
         cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
                             x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
         a = tl.load(lam_re + ln, mask=lmask, other=0.0)
-        acc += tl.dot(tl.trans(a), cre, input_precision="ieee")
+        acc += tl.dot(tl.trans(a), cre, input_precision=PRECISION)
         if COMPLEX:
             a = tl.load(lam_im + ln, mask=lmask, other=0.0)
-            acc += tl.dot(tl.trans(a), cim, input_precision="ieee")
+            acc += tl.dot(tl.trans(a), cim, input_precision=PRECISION)
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
     # the emptiness test as a full tile: Triton 3.9's interpreter rejects an atomic mask built with a scalar
     nonempty = (tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.int32) + (end - begin)) > 0
@@ -155,13 +155,14 @@ DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
                      selector_config: dict | None = None, dictionary_config: dict | None = None,
-                     parts: tuple[str, ...] = ("dictionary", "selector")):
+                     parts: tuple[str, ...] = ("dictionary", "selector"), precision: str = "ieee"):
     """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors (None for a part left out of `parts`;
     the configs override the defaults below, for bench/ste_kernels.py).
 
     lam, D, x: (re, im) float32 planes [B,H,L,N] with one set of strides (im None for a real scan), or real /
     complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
-    mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count.
+    mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count. precision: the
+    dictionary products' input precision, "ieee" (exact float32) or "tf32" (tensor cores; for bf16 layers).
     """
     lam, D, x, x0 = (p if isinstance(p, tuple) else float_planes(p) for p in (lam, D, x, x0))
     (lre, lim), (dre, dim), (xre, xim) = lam, D, x
@@ -187,7 +188,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
                       SELECTOR_CONFIG if selector_config is None else selector_config)
     if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config)
+                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
     return G, r
 
 
@@ -203,7 +204,8 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
     return r
 
 
-def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg):
+def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
+                precision="ieee"):
     device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
@@ -227,6 +229,6 @@ def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0,
     if T:
         _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
             *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
-            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, COMPLEX=cplx, HAS_X0=has_x0,
+            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision, COMPLEX=cplx, HAS_X0=has_x0,
             HAS_MASK=has_mask, num_warps=dcfg["num_warps"])
     return G

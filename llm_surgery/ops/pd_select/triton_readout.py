@@ -1,0 +1,207 @@
+"""Triton kernels for the per-head matrix products around the scan in `projected.py`, one program per (token
+block, head, sequence), reading u, y and their gradients in the layer's own [b, L, H*P] layout:
+
+  injection forward:  b = (B_re u, B_im u) as float32 planes
+  readout forward:    y = x_re C_re^T - x_im C_im^T + D_skip * u
+  readout backward:   dL/dx = (g C_re, -g C_im) as planes; dL/dC += (g^T x_re, -g^T x_im); dL/dD_skip += sum g * u
+  injection backward: dL/du (before x_proj) = g * D_skip + gb_re B_re + gb_im B_im;  dL/dB += (gb_re^T u, gb_im^T u)
+
+In torch each of these was a handful of batched products over float32 copies of u and g in the scan's [b, H, L, *]
+layout, plus the transposes, casts and sums between them. Weight gradients are summed per program over
+REPEAT token blocks and added atomically. Products run as tl.dot in float32 ("ieee") or TF32 (half layers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(L, H, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, blk):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    t = blk * BLOCK_L + tl.arange(0, BLOCK_L)
+    return h, b, t, tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_P)
+
+
+@triton.jit
+def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, su_b, su_l, sy_b, sy_l,
+                        N: tl.constexpr, P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0))
+    tm = t < L
+    xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
+    xm = tm[:, None] & (n[None, :] < N)
+    x_re = tl.load(xre_ptr + xo, mask=xm, other=0.0)
+    x_im = tl.load(xim_ptr + xo, mask=xm, other=0.0)
+    cw = c_ptr + ((h * P + p[None, :]) * N + n[:, None]) * 2                  # C[h, p, n, :] as [n, p]
+    cmask = (n[:, None] < N) & (p[None, :] < P)
+    y = tl.dot(x_re, tl.load(cw, mask=cmask, other=0.0), input_precision=PRECISION)
+    y -= tl.dot(x_im, tl.load(cw + 1, mask=cmask, other=0.0), input_precision=PRECISION)
+    pm = tm[:, None] & (p[None, :] < P)
+    u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :], mask=pm,
+                other=0.0).to(tl.float32)
+    y += tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)[None, :] * u
+    tl.store(y_ptr + b.to(tl.int64) * sy_b + t[:, None].to(tl.int64) * sy_l + h * P + p[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=pm)
+
+
+@triton.jit
+def _injection_fwd_kernel(u_ptr, bw_ptr, bre_ptr, bim_ptr, L, H, su_b, su_l, N: tl.constexpr, P: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0))
+    tm = t < L
+    u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :],
+                mask=tm[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
+    bw = bw_ptr + ((h * N + n[None, :]) * P + p[:, None]) * 2                 # B[h, n, p, :] as [p, n]
+    wmask = (p[:, None] < P) & (n[None, :] < N)
+    xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
+    xm = tm[:, None] & (n[None, :] < N)
+    tl.store(bre_ptr + xo, tl.dot(u, tl.load(bw, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
+    tl.store(bim_ptr + xo, tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
+
+
+@triton.jit
+def _readout_bwd_kernel(gy_ptr, xre_ptr, xim_ptr, c_ptr, u_ptr, gre_ptr, gim_ptr, gc_ptr, gskip_ptr, L, H,
+                        sg_b, sg_l, su_b, su_l, REPEAT, N: tl.constexpr, P: tl.constexpr, BLOCK_L: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    h = tl.program_id(1)
+    n = tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_P)
+    cw = c_ptr + ((h * P + p[:, None]) * N + n[None, :]) * 2                  # C[h, p, n, :] as [p, n]
+    cmask = (p[:, None] < P) & (n[None, :] < N)
+    c_re = tl.load(cw, mask=cmask, other=0.0)
+    c_im = tl.load(cw + 1, mask=cmask, other=0.0)
+    gc_re = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    gc_im = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    gskip = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for r in range(REPEAT):
+        h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0) * REPEAT + r)
+        tm = t < L
+        pm = tm[:, None] & (p[None, :] < P)
+        g = tl.load(gy_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_l + h * P + p[None, :], mask=pm,
+                    other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :], mask=pm,
+                    other=0.0).to(tl.float32)
+        gskip += tl.sum(g * u, axis=0)
+        xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
+        xm = tm[:, None] & (n[None, :] < N)
+        tl.store(gre_ptr + xo, tl.dot(g, c_re, input_precision=PRECISION), mask=xm)
+        tl.store(gim_ptr + xo, -tl.dot(g, c_im, input_precision=PRECISION), mask=xm)
+        gt = tl.trans(g)
+        gc_re += tl.dot(gt, tl.load(xre_ptr + xo, mask=xm, other=0.0), input_precision=PRECISION)
+        gc_im -= tl.dot(gt, tl.load(xim_ptr + xo, mask=xm, other=0.0), input_precision=PRECISION)
+    go = (h * P + p[:, None]) * N + n[None, :]
+    tl.atomic_add(gc_ptr + go, gc_re, mask=cmask, sem="relaxed")
+    tl.atomic_add(gc_ptr + H * P * N + go, gc_im, mask=cmask, sem="relaxed")
+    tl.atomic_add(gskip_ptr + h * P + p, gskip, mask=p < P, sem="relaxed")
+
+
+@triton.jit
+def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, gu_ptr, gbw_ptr, L, H, sg_b, sg_l,
+                          su_b, su_l, REPEAT, N: tl.constexpr, P: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_B: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    h = tl.program_id(1)
+    n = tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_P)
+    wmask = (n[:, None] < N) & (p[None, :] < P)
+    bw = bw_ptr + ((h * N + n[:, None]) * P + p[None, :]) * 2                 # B[h, n, p, :]
+    b_re = tl.load(bw, mask=wmask, other=0.0)
+    b_im = tl.load(bw + 1, mask=wmask, other=0.0)
+    skip = tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)
+    gb_re_w = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    gb_im_w = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    for r in range(REPEAT):
+        h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0) * REPEAT + r)
+        tm = t < L
+        pm = tm[:, None] & (p[None, :] < P)
+        g = tl.load(gy_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_l + h * P + p[None, :], mask=pm,
+                    other=0.0).to(tl.float32)
+        gu = g * skip[None, :]
+        if HAS_B:
+            u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :],
+                        mask=pm, other=0.0).to(tl.float32)
+            xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
+            xm = tm[:, None] & (n[None, :] < N)
+            gre = tl.load(gbre_ptr + xo, mask=xm, other=0.0)
+            gim = tl.load(gbim_ptr + xo, mask=xm, other=0.0)
+            gu += tl.dot(gre, b_re, input_precision=PRECISION)
+            gu += tl.dot(gim, b_im, input_precision=PRECISION)
+            gb_re_w += tl.dot(tl.trans(gre), u, input_precision=PRECISION)
+            gb_im_w += tl.dot(tl.trans(gim), u, input_precision=PRECISION)
+        tl.store(gu_ptr + ((b.to(tl.int64) * L + t[:, None]) * H + h) * P + p[None, :],
+                 gu.to(gu_ptr.dtype.element_ty), mask=pm)
+    if HAS_B:
+        go = (h * N + n[:, None]) * P + p[None, :]
+        tl.atomic_add(gbw_ptr + go, gb_re_w, mask=wmask, sem="relaxed")
+        tl.atomic_add(gbw_ptr + H * N * P + go, gb_im_w, mask=wmask, sem="relaxed")
+
+
+BLOCK_L, REPEAT = 64, 8
+
+
+def _blocks(N, P):
+    return max(16, triton.next_power_of_2(N)), max(16, triton.next_power_of_2(P))
+
+
+def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
+    """y [b, L, H*P] (written in place, any row strides) = Re(C_h x_t) + D_skip * u_t; x planes [b, H, L, N]
+    contiguous float32, C [H, P, N, 2] float32 contiguous, D_skip [H, P] float32, u [b, L, H*P]."""
+    b, H, L, N = x_re.shape
+    P = C.shape[1]
+    bn, bp = _blocks(N, P)
+    if b * L:
+        _readout_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
+            x_re, x_im, C, D_skip, u, y, L, H, u.stride(0), u.stride(1), y.stride(0), y.stride(1), N=N, P=P,
+            BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
+
+
+def injection_fwd(u, Bw, precision: str):
+    """The injection planes (B_h u_t) [b, H, L, N] float32 (re, im) from u [b, L, H*P] and Bw [H, N, P, 2] float32
+    contiguous."""
+    b, L = u.shape[:2]
+    H, N, P = Bw.shape[:3]
+    bn, bp = _blocks(N, P)
+    b_re = torch.empty(b, H, L, N, device=u.device, dtype=torch.float32)
+    b_im = torch.empty_like(b_re)
+    if b * L:
+        _injection_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
+            u, Bw, b_re, b_im, L, H, u.stride(0), u.stride(1), N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp,
+            PRECISION=precision, num_warps=4)
+    return b_re, b_im
+
+
+def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str):
+    """(dL/dx_re, dL/dx_im) [b, H, L, N] float32 from g_y [b, L, H*P]; adds into gC [2, H, P, N] (re, im) and
+    gskip [H, P] (float32)."""
+    b, H, L, N = x_re.shape
+    P = C.shape[1]
+    bn, bp = _blocks(N, P)
+    g_re, g_im = torch.empty_like(x_re), torch.empty_like(x_im)
+    if b * L:
+        rep = min(REPEAT, triton.cdiv(L, BLOCK_L))
+        _readout_bwd_kernel[(triton.cdiv(L, BLOCK_L * rep), H, b)](
+            g_y, x_re, x_im, C, u, g_re, g_im, gC, gskip, L, H, g_y.stride(0), g_y.stride(1), u.stride(0),
+            u.stride(1), rep, N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
+    return g_re, g_im
+
+
+def injection_bwd(gb_re, gb_im, g_y, u, D_skip, Bw, gBw, precision: str):
+    """dL/du from the skip and the injection, [b, L, H*P] in u's dtype; adds dL/dB into gBw [2, H, N, P]
+    (float32). gb planes None: no injection (b_gate "off"), only the skip's part."""
+    b, L = u.shape[:2]
+    H, N, P = Bw.shape[:3]
+    bn, bp = _blocks(N, P)
+    g_u = torch.empty(b, L, H * P, device=u.device, dtype=u.dtype)
+    has_b = gb_re is not None
+    if b * L:
+        rep = min(REPEAT, triton.cdiv(L, BLOCK_L))
+        _injection_bwd_kernel[(triton.cdiv(L, BLOCK_L * rep), H, b)](
+            gb_re if has_b else g_u, gb_im if has_b else g_u, g_y, u, D_skip, Bw, g_u, gBw if has_b else g_u, L, H,
+            g_y.stride(0), g_y.stride(1), u.stride(0), u.stride(1), rep, N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn,
+            BLOCK_P=bp, HAS_B=has_b, PRECISION=precision, num_warps=4)
+    return g_u
