@@ -213,7 +213,7 @@ def main() -> int:
     rows, notes = [], []
     for kind in args.kinds.split(","):
         try:
-            importlib.import_module("llm_surgery.layers.registry")._mixer_class(kind)
+            importlib.import_module("llm_surgery.layers.registry").mixer_class(kind)
         except ImportError as exc:
             notes.append(f"{kind}: layer not importable ({exc})")
             continue

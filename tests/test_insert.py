@@ -415,7 +415,7 @@ def test_set_tau_and_count(host_dirs):
 # ------------------------------------------------------------------------------------------------- errors
 def test_errors_on_bad_arguments(host_dirs):
     model = load_host(host_dirs, "granite")  # 2 attention blocks
-    with pytest.raises(ValueError, match="unknown layer kind 'lstm'.*pdssm"):
+    with pytest.raises(ValueError, match="unknown mixer kind 'lstm'.*pdssm"):
         insert_layers(model, "lstm", 1)
     with pytest.raises(ValueError, match="between 1 and 2"):
         insert_layers(model, "mamba2", 3)

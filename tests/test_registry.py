@@ -7,8 +7,8 @@ import torch
 
 from llm_surgery.layers.deltanet import DeltaNetMixer
 from llm_surgery.layers.mamba2 import Mamba2Mixer
-from llm_surgery.layers.registry import (MIXER_KINDS, build_mixer, count_params, default_options,
-                                         param_table, target_param_count)
+from llm_surgery.layers.registry import (MIXER_KINDS, build_mixer, check_kind, constructor_options, count_params,
+                                         default_options, mixer_class, param_table, target_param_count)
 
 WIDTHS = (768, 1024, 1536, 2048, 4096, 4480, 5120)
 HAS_PDSSM = importlib.util.find_spec("llm_surgery.layers.flash_pdssm") is not None
@@ -18,9 +18,20 @@ def test_kinds():
     assert MIXER_KINDS == ("pdssm", "mamba2", "deltanet")
 
 
+def test_kinds_have_one_home():
+    """The trainer's --kind choices are the registry's list, and each kind's class and options come from it."""
+    from llm_surgery.train.config import KINDS
+    assert KINDS is MIXER_KINDS
+    assert [mixer_class(k).__name__ for k in MIXER_KINDS] == ["FlashPDSSM", "Mamba2Mixer", "DeltaNetMixer"]
+    assert {"b_gate", "dict_size", "tau"} <= constructor_options("pdssm")
+    assert {"n_groups", "state_size"} <= constructor_options("mamba2") and "hidden_size" not in \
+        constructor_options("deltanet")
+
+
 def test_unknown_kind_names_the_allowed_kinds():
     for call in (lambda: build_mixer("mamba3", 64), lambda: default_options("gla", 64),
-                 lambda: count_params("lstm", 64)):
+                 lambda: count_params("lstm", 64), lambda: check_kind(["pdssm"]), lambda: mixer_class(None),
+                 lambda: constructor_options("rnn")):
         with pytest.raises(ValueError, match="pdssm, mamba2, deltanet"):
             call()
 

@@ -76,8 +76,7 @@ def _resolve(base, kind, n, positions, layer_options) -> list[LayerSpec]:
     if len(kinds) != n:
         raise ValueError(f"got {len(kinds)} kinds for n={n}; pass one kind or a list of exactly n kinds")
     for k in kinds:
-        if k not in reg.MIXER_KINDS:
-            raise ValueError(f"unknown layer kind {k!r}; allowed: {', '.join(reg.MIXER_KINDS)}")
+        reg.check_kind(k)
     if positions is None:
         positions = _default_positions(n, len(attn))
     else:

@@ -3,27 +3,42 @@ have (nearly) the same parameter count at every width; comparisons between kinds
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 from functools import lru_cache
 
 import torch
 from torch import nn
 
-MIXER_KINDS = ("pdssm", "mamba2", "deltanet")
-_PDSSM_MODULE = "llm_surgery.layers.flash_pdssm"
+# The one list of mixer kinds: kind -> (module of this package, class). The trainer's --kind, the surgery's checks
+# and the parameter tables all read it from here.
+_MIXERS = {"pdssm": ("flash_pdssm", "FlashPDSSM"), "mamba2": ("mamba2", "Mamba2Mixer"),
+           "deltanet": ("deltanet", "DeltaNetMixer")}
+MIXER_KINDS = tuple(_MIXERS)
 
 
-def _mixer_class(kind: str) -> type[nn.Module]:
-    if kind == "pdssm":
-        from .flash_pdssm import FlashPDSSM  # lazy: written separately, may pull in compiled ops
-        return FlashPDSSM
-    if kind == "mamba2":
-        from .mamba2 import Mamba2Mixer
-        return Mamba2Mixer
-    if kind == "deltanet":
-        from .deltanet import DeltaNetMixer
-        return DeltaNetMixer
-    raise ValueError(f"unknown mixer kind {kind!r}; allowed kinds: {', '.join(MIXER_KINDS)}")
+def check_kind(kind) -> None:
+    """Raise a ValueError naming the allowed kinds unless `kind` is one of MIXER_KINDS."""
+    if not isinstance(kind, str) or kind not in _MIXERS:
+        raise ValueError(f"unknown mixer kind {kind!r}; allowed kinds: {', '.join(MIXER_KINDS)}")
+
+
+def mixer_class(kind: str) -> type[nn.Module]:
+    """The class that builds `kind`, imported on first use (FlashPDSSM may pull in compiled ops)."""
+    check_kind(kind)
+    module, name = _MIXERS[kind]
+    return getattr(importlib.import_module(f".{module}", __package__), name)
+
+
+_mixer_class = mixer_class   # the name train/config.py's option check calls
+
+
+def constructor_options(kind: str) -> set[str]:
+    """The keyword options `kind`'s constructor takes, but the width, which the surgery passes itself."""
+    params = inspect.signature(mixer_class(kind).__init__).parameters
+    return {n for n, p in params.items() if n not in ("self", "hidden_size")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _check_width(hidden_size) -> None:
@@ -34,7 +49,7 @@ def _check_width(hidden_size) -> None:
 def count_params(kind: str, hidden_size: int, **options) -> int:
     """Parameter count of `build_mixer(kind, hidden_size, **options)`, built on the meta device (no memory,
     no init cost), falling back to a real CPU build for layers whose init needs real values."""
-    cls = _mixer_class(kind)
+    cls = mixer_class(kind)
     try:
         with torch.device("meta"):
             module = cls(hidden_size, **options)
@@ -45,7 +60,7 @@ def count_params(kind: str, hidden_size: int, **options) -> int:
 
 
 def _pdssm_available() -> bool:
-    return importlib.util.find_spec(_PDSSM_MODULE) is not None
+    return importlib.util.find_spec(f"{__package__}.{_MIXERS['pdssm'][0]}") is not None
 
 
 @lru_cache(maxsize=None)
@@ -80,14 +95,14 @@ def _default_options(kind: str, hidden_size: int) -> tuple:
 
 def default_options(kind: str, hidden_size: int) -> dict:
     """Constructor options for `kind` at host width `hidden_size`, parameter-matched across kinds."""
-    _mixer_class(kind)  # validates the kind
+    check_kind(kind)
     _check_width(hidden_size)
     return dict(_default_options(kind, hidden_size))
 
 
 def build_mixer(kind: str, hidden_size: int, **options) -> nn.Module:
     """Build a mixer of `kind` ("pdssm", "mamba2" or "deltanet"); `options` override the defaults."""
-    cls = _mixer_class(kind)
+    cls = mixer_class(kind)
     _check_width(hidden_size)
     return cls(hidden_size, **{**default_options(kind, hidden_size), **options})
 

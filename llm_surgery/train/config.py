@@ -12,7 +12,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-KINDS = ("pdssm", "mamba2", "deltanet")
+from llm_surgery.layers.registry import MIXER_KINDS as KINDS
+
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
