@@ -4,7 +4,7 @@ forward-only time, peak memory, and (--decode) one-token decode steps.
     PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 8 32 --lengths 1024 2048 4096 8192
 
 Layers (--kinds; all built in bf16, train mode, parameter-matched through the libraries' own knobs):
-  pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `fused = False`)
+  pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `backend="torch"`)
   fla-deltanet    fla.layers.DeltaNet(num_heads=14, expand_k=expand_v=1.75) at width 1024 (7.38M vs 7.48M);
                   at other widths expand 1.75 and heads = width * 1.75 / 128
   mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
@@ -59,8 +59,7 @@ def build(kind: str, width: int):
     torch.manual_seed(0)
     if kind in ("pdssm", "pdssm-ref"):
         from llm_surgery.layers.registry import build_mixer
-        layer = build_mixer("pdssm", width)
-        layer.fused = kind == "pdssm"
+        layer = build_mixer("pdssm", width, backend="auto" if kind == "pdssm" else "torch")
         label = "FlashPDSSM" + (" (torch reference path)" if kind == "pdssm-ref" else "")
     elif kind == "fla-deltanet":
         from fla.layers import DeltaNet
@@ -180,8 +179,8 @@ def main():
     ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
     args = ap.parse_args()
     if args.pdssm_slice_mib:
-        from llm_surgery.ops.pd_select.projected import _ProjectedSelectScan
-        _ProjectedSelectScan.SLICE_BYTES = args.pdssm_slice_mib << 20
+        from llm_surgery.layers.flash_pdssm_fused import _FusedMiddle
+        _FusedMiddle.SLICE_BYTES = args.pdssm_slice_mib << 20
     if args.quick_autotune:
         from llm_surgery.triton_autotune import quick_autotune
         quick_autotune()

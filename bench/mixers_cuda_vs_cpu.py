@@ -36,31 +36,17 @@ from llm_surgery.triton_autotune import quick_autotune
 
 @contextlib.contextmanager
 def path(kind: str, layer: torch.nn.Module, mode: str):
-    """mode 'kernel' or 'torch' for the layer's scan."""
-    if kind in ("mamba2", "deltanet"):
-        old = layer.backend
-        layer.backend = mode
-        try:
-            yield
-        finally:
-            layer.backend = old
-        return
-    # pdssm: the op modules dispatch through a module-level `_use_cuda_kernels`
-    patched = []
-    if mode == "torch":
-        for name in ("llm_surgery.ops.pd_scan", "llm_surgery.ops.pd_select", "llm_surgery.ops.pd_select.function"):
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(mod, "_use_cuda_kernels"):
-                patched.append((mod, mod._use_cuda_kernels))
-                mod._use_cuda_kernels = lambda t: False
+    """mode 'kernel' or 'torch' for the layer's scan. pdssm's torch mode also turns off the CUDA kernels of its
+    ops (pd_scan, the straight-through sums), which all ask `ops.fast_path.cuda_fast_path`."""
+    from llm_surgery.ops import fast_path
+    old, ask = layer.backend, fast_path.cuda_fast_path
+    layer.backend = mode
+    if kind == "pdssm" and mode == "torch":
+        fast_path.cuda_fast_path = lambda t, **needs: False
     try:
         yield
     finally:
-        for mod, fn in patched:
-            mod._use_cuda_kernels = fn
+        layer.backend, fast_path.cuda_fast_path = old, ask
 
 
 def kernels_available(kind: str) -> bool:
@@ -70,8 +56,8 @@ def kernels_available(kind: str) -> bool:
     if kind == "deltanet":
         from llm_surgery.layers.deltanet import fla_kernels
         return fla_kernels() is not None
-    from llm_surgery.ops.pd_scan import _use_cuda_kernels
-    return _use_cuda_kernels(torch.zeros(1, device="cuda"))
+    from llm_surgery.layers.flash_pdssm_fused import usable
+    return usable(torch.zeros(1, 1, device="cuda"))
 
 
 def fwd_bwd(kind, layer, x, dy, mode):

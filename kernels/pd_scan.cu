@@ -34,7 +34,7 @@
 
 namespace pdk {
 
-enum Kind { REAL = 0, SPLIT = 1, CPLX = 2 };
+enum Layout { REAL = 0, SPLIT = 1, CPLX = 2 };
 
 // ---------------------------------------------------------------- scalar helpers
 __device__ __forceinline__ float to_f(float v) { return v; }
@@ -1695,18 +1695,15 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
 
 // ---------------------------------------------------------------- host side
 constexpr int WARP_MAX_N = 256;   // the warp kernel keeps E = N / 32 <= 8 entries per lane in registers
-
-// 0 (no choice made by the caller) = the block kernel; the size-based policy lives in cuda.py
-__host__ __forceinline__ int fwd_algo(int N, int algo) {
-  if (algo == 2) return N <= WARP_MAX_N ? 2 : -1;
-  return 1;
-}
+// The forward kernel, chosen by cuda.py (_algo_code, _ALGOS; a test compares): taken as given, never re-chosen here
+constexpr int ALGO_BLOCK = 1;   // one block per chunk, shared-memory scatter, any N <= 1024
+constexpr int ALGO_WARP = 2;    // one warp per chunk, per-step gather lists, N <= WARP_MAX_N
 
 template <int K, typename In>
 int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
   using R = Arr<K, In>;
   const int asize = (int)sizeof(typename R::A);
-  if (!bwd && fwd_algo(N, algo) == 2) return warp_smem_bytes(N, asize);
+  if (!bwd && algo == ALGO_WARP) return warp_smem_bytes(N, asize);
   const int arrays = bwd ? 3 : 2;
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);
@@ -1724,7 +1721,7 @@ void (*warp_kernel(int E))(ScanArgs) {
 template <int K, typename In>
 int warp_blocks_per_sm(int N) {
   int n = 0;
-  const int sm = smem_bytes<K, In>(N, 1, 32, false, 2);
+  const int sm = smem_bytes<K, In>(N, 1, 32, false, ALGO_WARP);
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, warp_kernel<K, In>(warp_entries(N)), 32, sm) != cudaSuccess)
     return 0;
   return n;
@@ -1734,19 +1731,20 @@ template <int K, typename In>
 const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   static thread_local char msg[512];
   constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
-  const int algo = bwd ? 1 : fwd_algo(a.N, a.algo);
-  if (algo < 0) {
-    snprintf(msg, sizeof(msg), "the warp forward kernel takes N <= %d, got N=%d", WARP_MAX_N, a.N);
+  if (!bwd && a.algo != ALGO_BLOCK && !(a.algo == ALGO_WARP && a.N <= WARP_MAX_N)) {   // a code cuda.py never sends
+    snprintf(msg, sizeof(msg), "forward kernel code %d at N=%d: 1 (block) or 2 (warp, N <= %d)", a.algo, a.N,
+             WARP_MAX_N);
     return msg;
   }
-  const int Np = bwd ? (a.N + 31) / 32 * 32 : (algo == 2 ? 32 : fwd_block(a.N, asize));
+  const int algo = bwd ? ALGO_BLOCK : a.algo;   // the backward has one kernel
+  const int Np = bwd ? (a.N + 31) / 32 * 32 : (algo == ALGO_WARP ? 32 : fwd_block(a.N, asize));
   const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
   const int E = warp_entries(a.N);
   // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
   // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane
   const int v = bwd ? 0
-              : algo == 2 ? (E == 1 ? 6 : E == 2 ? 7 : E == 4 ? 8 : 9)
+              : algo == ALGO_WARP ? (E == 1 ? 6 : E == 2 ? 7 : E == 4 ? 8 : 9)
                           : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
   void (*kern)(ScanArgs) = v == 0 ? pd_bwd_kernel<K, In>
                          : v == 1 ? pd_fwd_kernel<K, In, 1>
@@ -1781,7 +1779,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     cudaFuncAttributes fa{};
     cudaFuncGetAttributes(&fa, kern);
     snprintf(msg, sizeof(msg),
-             "launch of variant %d (kind %d, bwd %d): %s; grid %d, block %d, smem %d B; kernel: %d regs, "
+             "launch of variant %d (layout %d, bwd %d): %s; grid %d, block %d, smem %d B; kernel: %d regs, "
              "max threads %d, max dyn smem %d B, local %zu B",
              v, K, (int)bwd, cudaGetErrorString(e), a.S * a.C, Np, sm, fa.numRegs, fa.maxThreadsPerBlock,
              fa.maxDynamicSharedSizeBytes, fa.localSizeBytes);
@@ -1792,30 +1790,30 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
 
 }  // namespace pdk
 
-// kind: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (kinds 0, 1)
-int pd_scan_warp_blocks_per_sm(int kind, int bf16, int N) {
+// layout: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (layouts 0, 1)
+int pd_scan_warp_blocks_per_sm(int layout, int bf16, int N) {
   using namespace pdk;
   if (N > WARP_MAX_N) return 0;
-  if (kind == REAL) return bf16 ? warp_blocks_per_sm<REAL, __nv_bfloat16>(N) : warp_blocks_per_sm<REAL, float>(N);
-  if (kind == SPLIT) return bf16 ? warp_blocks_per_sm<SPLIT, __nv_bfloat16>(N) : warp_blocks_per_sm<SPLIT, float>(N);
+  if (layout == REAL) return bf16 ? warp_blocks_per_sm<REAL, __nv_bfloat16>(N) : warp_blocks_per_sm<REAL, float>(N);
+  if (layout == SPLIT) return bf16 ? warp_blocks_per_sm<SPLIT, __nv_bfloat16>(N) : warp_blocks_per_sm<SPLIT, float>(N);
   return warp_blocks_per_sm<CPLX, float>(N);
 }
 
-int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo) {
+int pd_scan_smem_bytes(int layout, int bf16, int N, int T, int bwd, int algo) {
   using namespace pdk;
   const int Np = (N + 31) / 32 * 32;
-  if (kind == REAL)
+  if (layout == REAL)
     return bf16 ? smem_bytes<REAL, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<REAL, float>(N, T, Np, bwd, algo);
-  if (kind == SPLIT)
+  if (layout == SPLIT)
     return bf16 ? smem_bytes<SPLIT, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<SPLIT, float>(N, T, Np, bwd, algo);
   return smem_bytes<CPLX, float>(N, T, Np, bwd, algo);
 }
 
-const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {
+const char* pd_scan_launch(int layout, int bf16, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   using namespace pdk;
-  if (kind == REAL) return bf16 ? launch<REAL, __nv_bfloat16>(a, bwd, stream) : launch<REAL, float>(a, bwd, stream);
-  if (kind == SPLIT) return bf16 ? launch<SPLIT, __nv_bfloat16>(a, bwd, stream) : launch<SPLIT, float>(a, bwd, stream);
-  if (kind == CPLX && !bf16) return launch<CPLX, float>(a, bwd, stream);
-  return "pd_scan: unsupported kind/dtype combination";
+  if (layout == REAL) return bf16 ? launch<REAL, __nv_bfloat16>(a, bwd, stream) : launch<REAL, float>(a, bwd, stream);
+  if (layout == SPLIT) return bf16 ? launch<SPLIT, __nv_bfloat16>(a, bwd, stream) : launch<SPLIT, float>(a, bwd, stream);
+  if (layout == CPLX && !bf16) return launch<CPLX, float>(a, bwd, stream);
+  return "pd_scan: unsupported layout/dtype combination";
 }

@@ -26,14 +26,14 @@ struct ScanArgs {
                        // of T steps
   int S, L, N, T, C;
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
-  int algo;         // forward: 0 auto, 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel
+  int algo;         // forward: 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel (cuda.py chooses)
 };
 
 }  // namespace pdk
 
-// kind: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (kinds 0 and 1).
-int pd_scan_smem_bytes(int kind, int bf16, int N, int T, int bwd, int algo);
+// layout: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (layouts 0 and 1).
+int pd_scan_smem_bytes(int layout, int bf16, int N, int T, int bwd, int algo);
 // Blocks (warps) of the warp forward kernel one SM holds at once; 0 for N beyond that kernel or on error.
-int pd_scan_warp_blocks_per_sm(int kind, int bf16, int N);
+int pd_scan_warp_blocks_per_sm(int layout, int bf16, int N);
 // Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
-const char* pd_scan_launch(int kind, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);
+const char* pd_scan_launch(int layout, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);

@@ -277,3 +277,56 @@ def test_snapped_magnitudes_and_rounded_phases_track_parity_exactly_at_any_lengt
     torch.testing.assert_close(exact, x0 * sign, atol=1e-9, rtol=0)
     drift, x0 = last_state()
     assert (drift - x0 * sign).abs().max() > 0.5 * x0.abs().max()
+
+
+def test_backend_option():
+    """backend like the other mixers: "torch" and "auto" give the same layer on CPU (where the fused op cannot
+    run), "kernel" refuses a call the fused op cannot take (CPU here; a real layer anywhere), and an unknown
+    backend is refused in the constructor."""
+    with pytest.raises(ValueError, match="backend must be one of"):
+        FlashPDSSM(48, backend="triton")
+    torch.manual_seed(0)
+    auto = FlashPDSSM(48, x_init_std=0.1)
+    torch.manual_seed(0)
+    ref = FlashPDSSM(48, x_init_std=0.1, backend="torch")
+    x = torch.randn(2, 7, 48)
+    assert auto.backend == "auto" and torch.equal(auto(x), ref(x))
+    ref.backend = "kernel"
+    with pytest.raises(RuntimeError, match="backend='kernel' needs a complex layer and CUDA"):
+        ref(x)
+    assert "backend='torch'" in repr(FlashPDSSM(48, backend="torch"))
+
+
+def test_one_cuda_fast_path_decision(monkeypatch):
+    """`ops.fast_path.cuda_fast_path` answers for every PD-SSM op: a CUDA tensor, the op's dtypes and state-size
+    limit, and what it needs (Triton, the pd_scan extension, asked only when all else holds). A stand-in tensor
+    plays the CUDA one; the extension and Triton are stood in for too."""
+    from types import SimpleNamespace
+
+    from llm_surgery.layers import flash_pdssm_fused
+    from llm_surgery.ops import fast_path
+    from llm_surgery.ops.pd_scan import _use_cuda_kernels, cuda
+
+    def gpu(shape, dtype=torch.float32):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=torch.Size(shape), dim=lambda: len(shape))
+
+    built = []
+    monkeypatch.setattr(cuda, "available", lambda: built.append(1) or True)
+    monkeypatch.setattr(fast_path, "triton_imports", lambda: True)
+    ask = fast_path.cuda_fast_path
+    assert not ask(torch.zeros(2, 3), scan_kernels=True, triton=True)   # a CPU tensor never
+    assert ask(gpu((2, 3))) and ask(gpu((2, 3)), triton=True) and not built
+    assert not ask(gpu((2, 3), torch.float64), dtypes=cuda.SUPPORTED_DTYPES, scan_kernels=True)
+    assert not ask(gpu((2, 1025)), max_state=cuda.MAX_N, scan_kernels=True) and not built
+    assert ask(gpu((2, 1024)), max_state=cuda.MAX_N, scan_kernels=True) and built == [1]
+    monkeypatch.setattr(fast_path, "triton_imports", lambda: False)
+    assert not ask(gpu((2, 3)), triton=True) and not ask(gpu((2, 3)), scan_kernels=True, triton=True)
+    assert built == [1]   # no Triton: the extension is not even built
+    # what each op asks for
+    monkeypatch.setattr(fast_path, "triton_imports", lambda: True)
+    assert _use_cuda_kernels(gpu((4, 5, 1024), torch.complex64)) and not _use_cuda_kernels(gpu((4, 5, 1025)))
+    assert not _use_cuda_kernels(gpu((4, 5, 8), torch.float64))
+    assert flash_pdssm_fused.usable(gpu((2, 5, 4096), torch.bfloat16))   # no state-size limit on u's width
+    assert not flash_pdssm_fused.usable(gpu((2, 5, 48), torch.complex64))
+    monkeypatch.setattr(fast_path, "triton_imports", lambda: False)
+    assert _use_cuda_kernels(gpu((4, 5, 8))) and not flash_pdssm_fused.usable(gpu((2, 5, 48)))

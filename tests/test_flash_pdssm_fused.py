@@ -1,4 +1,5 @@
-"""The fused CUDA path of complex FlashPDSSM layers (ops/pd_select/projected.py) against the layer's torch path:
+"""The fused CUDA path of complex FlashPDSSM layers (layers/flash_pdssm_fused.py, backend="kernel") against the
+layer's torch path (backend="torch"):
 outputs, input gradient and every parameter gradient, with and without padding, for every b-gate.
 
 On the GPU it runs for real. On the CPU it runs under Triton's interpreter (subprocess, TRITON_INTERPRET=1) with
@@ -29,10 +30,10 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
     worst = {}
     for gate, opts in [(g, {}) for g in GATES] + DRIFT:
         for masked in (False, True):
-            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, **opts).to(device=device, dtype=dtype)
-            ref.fused = False
+            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, backend="torch", **opts).to(
+                device=device, dtype=dtype)
             fused = copy.deepcopy(ref)
-            fused.fused = True
+            fused.backend = "kernel"   # the fused op, or an error: never a silent fall-back to the torch path
             x = torch.randn(2, L, width, device=device, dtype=dtype)
             mask = torch.ones(2, L, dtype=torch.long, device=device)
             mask[0, :5] = 0
@@ -65,8 +66,8 @@ def _assert_close(worst, tol):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_path_matches_torch_path_cuda():
-    from llm_surgery.ops.pd_select import projected
-    assert projected.usable(torch.zeros(1, device="cuda")), "CUDA present but the fused path cannot run"
+    from llm_surgery.layers import flash_pdssm_fused
+    assert flash_pdssm_fused.usable(torch.zeros(1, device="cuda")), "CUDA present but the fused path cannot run"
     # a float32 layer runs exact float32 products on both paths (TF32 only for half-precision layers)
     _assert_close(_compare("cuda", torch.float32), 1e-5)
     _assert_close(_compare("cuda", torch.float32, width=256, L=700), 1e-5)
@@ -86,7 +87,7 @@ def test_fused_path_matches_torch_path_interpreted():
         import json, sys, torch
         sys.path.insert(0, {tests!r})
         from llm_surgery.ops.pd_scan import cuda, pd_scan, pd_scan_backward
-        from llm_surgery.ops.pd_select import projected
+        from llm_surgery.layers import flash_pdssm_fused
 
         def fwd(P, D_re, D_im, b_re, b_im, x0=None, out=None):
             x = pd_scan(P, torch.complex(D_re, D_im), torch.complex(b_re, b_im), x0)
@@ -104,8 +105,8 @@ def test_fused_path_matches_torch_path_interpreted():
             return (*(out or planes), gx0)
 
         cuda.pd_scan_fwd_cuda_split, cuda.pd_scan_bwd_cuda_split = fwd, bwd
-        projected.usable = lambda t: True
-        projected._ProjectedSelectScan.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised
+        flash_pdssm_fused.usable = lambda u: True
+        flash_pdssm_fused._FusedMiddle.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised
         from test_flash_pdssm_fused import _compare
         print(json.dumps(_compare("cpu")))
     """).format(tests=os.path.dirname(__file__))

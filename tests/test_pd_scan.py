@@ -236,6 +236,29 @@ def test_cuda_probe_count_matches_the_kernel_source():
     assert used and max(used) < cuda._PROBES
 
 
+def test_cuda_layouts_kernel_choice_and_limits_match_the_kernel_source():
+    """Every other number cuda.py mirrors from the kernels (read from kernels/, no GPU): the data layouts it passes
+    as `layout`, the forward-kernel codes (chosen in Python only; the C++ takes the code as given and refuses
+    others), the warp kernel's state-size limit, and N <= MAX_N (one thread per entry in the block kernels,
+    int16 indices)."""
+    import re
+    from llm_surgery.ops.pd_scan import cuda
+    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    header = (cuda._source_dir() / "pd_scan.cuh").read_text()
+    m = re.search(r"enum Layout \{ REAL = (\d+), SPLIT = (\d+), CPLX = (\d+) \};", src)
+    assert m, "enum Layout not found in kernels/pd_scan.cu"
+    assert (cuda._REAL, cuda._SPLIT, cuda._CPLX) == tuple(int(v) for v in m.groups())
+    const = {k: int(v) for k, v in re.findall(r"constexpr int (ALGO_\w+|WARP_MAX_N) = (\d+);", src)}
+    assert cuda._ALGOS == {"block": const["ALGO_BLOCK"], "warp": const["ALGO_WARP"]}
+    assert cuda._WARP_MAX_N == const["WARP_MAX_N"]
+    assert "fwd_algo" not in src   # no second choice of the forward kernel in C++
+    assert "const int algo = bwd ? ALGO_BLOCK : a.algo;" in src
+    assert cuda._algo_code("auto", cuda._WARP_MAX_N, False) == const["ALGO_WARP"]
+    assert cuda._algo_code("auto", cuda._WARP_MAX_N + 1, False) == const["ALGO_BLOCK"]
+    assert "__launch_bounds__(1024) pd_bwd_kernel" in src and cuda.MAX_N == 1024
+    assert "using Idx = int16_t;" in header and cuda.MAX_N < 2 ** 15
+
+
 def test_cuda_chunk_tables_without_a_gpu():
     """The warp forward's chunk tables (pure Python): equal chunks of T steps with a shorter last one, or a ramp
     whose chunks grow along the sequence; either way they tile [0, L) with no empty chunk, and the default ramp's

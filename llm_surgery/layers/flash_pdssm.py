@@ -19,9 +19,11 @@ from torch import nn
 
 from ..ops.pd_scan import pd_scan
 from ..ops.pd_select import column_argmax, gather_transitions, pd_select_scan
-from ..ops.pd_select import projected
 from ..ops.pd_transition import round_phase, snap_magnitude
+from . import flash_pdssm_fused as fused
 from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d_silu, check_attention_mask, check_hidden_states
+
+BACKENDS = ("auto", "torch", "kernel")
 
 
 def _pow2_near(x: float) -> int:
@@ -43,6 +45,10 @@ class FlashPDSSM(nn.Module):
 
     Defaults scale with the width as the paper suggests (sec. 3.2): about sqrt(D) heads and sqrt(D)
     dictionary members, head state size = head width.
+    `backend`: "auto" (a complex layer on CUDA runs its middle as one fused op, `flash_pdssm_fused.py`, when the
+    kernels can run; the torch path otherwise), "torch" (the torch path, the fused op's reference; its scan still
+    uses the pd_scan CUDA kernels on CUDA tensors), or "kernel" (the fused op, an error where it cannot run).
+    Under every backend a one-token step without autograd (a decode step) takes the torch path.
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int | None = None,
@@ -50,7 +56,7 @@ class FlashPDSSM(nn.Module):
                  conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
                  dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
                  layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0,
-                 unit_snap: float = 0.0, phase_levels: int = 0):
+                 unit_snap: float = 0.0, phase_levels: int = 0, backend: str = "auto"):
         super().__init__()
         sizes = dict(hidden_size=hidden_size, expand=expand, conv_kernel=conv_kernel, num_heads=num_heads,
                      head_dim=head_dim, state_size=state_size, dict_size=dict_size)
@@ -71,11 +77,13 @@ class FlashPDSSM(nn.Module):
         dict_size = dict_size or _pow2_near(math.sqrt(hidden_size))
         if state_size > 1024:
             raise ValueError(f"FlashPDSSM: state_size must be <= 1024 (int16 kernels), got {state_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"FlashPDSSM: backend must be one of {BACKENDS}, got {backend!r}")
         if dict_init not in self.DICT_INITS:
             raise ValueError(f"FlashPDSSM: dict_init must be one of {self.DICT_INITS}, got {dict_init!r}")
         self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
         self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
-        self.complex, self.tau, self.layer_idx = complex, tau, layer_idx
+        self.complex, self.tau, self.layer_idx, self.backend = complex, tau, layer_idx, backend
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
         if b_gate not in self.B_GATES:
@@ -142,10 +150,7 @@ class FlashPDSSM(nn.Module):
         self._tau = tau
 
     DICT_INITS = ("normal", "permutation", "identity")
-    B_GATES = projected.GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
-    # Complex layers on CUDA run the fused op (ops/pd_select/projected.py); False forces the torch path,
-    # which is the fused path's reference in tests.
-    fused = True
+    B_GATES = fused.B_GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
 
     @staticmethod
     def _init_dictionary(H: int, K: int, N: int, how: str) -> torch.Tensor:
@@ -251,7 +256,7 @@ class FlashPDSSM(nn.Module):
         # sequences; at one token both are launch-bound (1.5 ms against 1.1-1.8 ms per layer step at batch 32 on
         # an H100, bench/layer_compare.py --decode, within the run-to-run spread)
         decode = u.shape[1] == 1 and not torch.is_grad_enabled()
-        if self.fused and self.complex and not decode and projected.usable(u):
+        if not decode and self._use_kernels(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
@@ -265,12 +270,22 @@ class FlashPDSSM(nn.Module):
                         check_values=False)   # argmaxes: in range by construction, no host sync
         return self._readout(x, u), x[:, :, -1]
 
+    def _use_kernels(self, u: torch.Tensor) -> bool:
+        """Whether this call runs the fused op (see `backend`)."""
+        if self.backend == "torch":
+            return False
+        ok = self.complex and fused.usable(u)
+        if not ok and self.backend == "kernel":
+            raise RuntimeError("FlashPDSSM: backend='kernel' needs a complex layer and CUDA float32/bfloat16/float16 "
+                               "inputs with the pd_scan kernels built and Triton importable; use backend='auto'")
+        return ok
+
     def _fused_scan_and_read(self, u: torch.Tensor, attention_mask: torch.Tensor | None, x0: torch.Tensor):
         """The CUDA path of `_scan_and_read` for complex layers: the same maths as `_ssm_inputs` + scan +
         `_readout`, with complex values kept as float32 planes end to end. From u on (x_proj, injection, scan,
         readout) it is one op that walks the batch in slices, so nothing state-sized (projection, b, D, dL/dx)
         exists for the whole batch, and x needs no re/im concatenation or bf16 copy."""
-        y, last_re, last_im = projected.pd_select_scan_projected(
+        y, last_re, last_im = fused.fused_middle(
             u, self.x_proj.weight, self.decay_bias, self.dictionary, self.B, x0.to(torch.complex64), self.C,
             self.D_skip, self.tau, attention_mask, self.b_gate, self.unit_snap, self.phase_levels)
         return y, torch.complex(last_re, last_im)
@@ -285,4 +300,5 @@ class FlashPDSSM(nn.Module):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"state_size={self.state_size}, dict_size={self.dict_size}, complex={self.complex}, tau={self.tau}, "
                 f"b_gate={self.b_gate}" + (f", unit_snap={self.unit_snap}" if self.unit_snap else "")
-                + (f", phase_levels={self.phase_levels}" if self.phase_levels else ""))
+                + (f", phase_levels={self.phase_levels}" if self.phase_levels else "")
+                + (f", backend={self.backend!r}" if self.backend != "auto" else ""))

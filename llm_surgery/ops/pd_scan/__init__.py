@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import fast_path
 from .chunked import scan_backward, scan_forward
 from .naive import pd_scan_dense, pd_scan_naive
 
@@ -70,13 +71,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _use_cuda_kernels(t: torch.Tensor) -> bool:
-    if not t.is_cuda:
-        return False
-    try:
-        from . import cuda
-    except ImportError:
-        return False
-    return cuda.usable(t)  # CUDA tensor, kernel dtype (not float64), N <= 1024, extension built
+    """The bundled kernels for this b or x ([..., L, N]): their dtypes (not float64), N <= 1024, built."""
+    from . import cuda
+    return fast_path.cuda_fast_path(t, dtypes=cuda.SUPPORTED_DTYPES, max_state=cuda.MAX_N, scan_kernels=True)
 
 
 class _PDScan(torch.autograd.Function):

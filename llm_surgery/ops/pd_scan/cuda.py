@@ -40,14 +40,14 @@ import torch
 
 from . import check_index_range
 
-__all__ = ["available", "supports", "usable", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
+__all__ = ["available", "supports", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
            "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
 _HEADERS = ("pd_scan.cuh",)
-_MAX_N = 1024
-_REAL, _SPLIT, _CPLX = 0, 1, 2
+MAX_N = 1024   # the largest state size: one thread per entry in the block kernels, int16 indices
+_REAL, _SPLIT, _CPLX = 0, 1, 2   # the kernels' data layouts, kernels/pd_scan.cu: enum Layout (a test compares)
 
 _ext = None
 _state: dict = {}
@@ -112,11 +112,6 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in SUPPORTED_DTYPES
 
 
-def usable(b: torch.Tensor) -> bool:
-    """Whether the kernels can run pd_scan for this b ([..., L, N]): CUDA tensor, kernel dtype, N <= 1024, built."""
-    return b.is_cuda and supports(b.dtype) and b.dim() >= 2 and b.shape[-1] <= _MAX_N and available()
-
-
 def load_error() -> str | None:
     """Why `available()` returned False (None if it did not, or was not asked)."""
     return _state.get("error")
@@ -143,8 +138,8 @@ def _check_common(P, planes, x0, names):
         if t.dtype != dt:
             raise TypeError(f"pd_scan CUDA: {names[0]} and {name} must share a dtype, got {dt} and {t.dtype}")
     L, N = P.shape[-2:]
-    if N > _MAX_N:
-        raise ValueError(f"pd_scan CUDA: state size N={N} exceeds the kernel limit {_MAX_N}")
+    if N > MAX_N:
+        raise ValueError(f"pd_scan CUDA: state size N={N} exceeds the kernel limit {MAX_N}")
     S = math.prod(P.shape[:-2])
     if x0 is not None:
         if not isinstance(x0, torch.Tensor):
@@ -170,34 +165,36 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"auto": 0, "block": 1, "warp": 2}
+_ALGOS = {"block": 1, "warp": 2}   # kernels/pd_scan.cu: ALGO_BLOCK, ALGO_WARP (a test compares)
+_WARP_MAX_N = 256                   # kernels/pd_scan.cu: WARP_MAX_N (a test compares)
 
 
 def _algo_code(algo, N, bwd):
-    """The forward kernel to launch (1 block, 2 warp); the backward has one kernel (code ignored)."""
-    if algo not in _ALGOS:
-        raise ValueError(f"pd_scan CUDA: algo must be one of {sorted(_ALGOS)}, got {algo!r}")
-    if algo == "warp" and N > 256 and not bwd:
-        raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= 256, got N={N}")
+    """The forward kernel to launch (1 block, 2 warp), chosen here only: the kernels take the code as given. The
+    backward has one kernel (code ignored)."""
+    if algo != "auto" and algo not in _ALGOS:
+        raise ValueError(f"pd_scan CUDA: algo must be one of ['auto', 'block', 'warp'], got {algo!r}")
+    if algo == "warp" and N > _WARP_MAX_N and not bwd:
+        raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= {_WARP_MAX_N}, got N={N}")
     if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/kernels.md):
         # the warp kernel up to N = 256 (also for bf16 states of 32-63 entries over many
         # sequence-steps, where the block kernel had been 1-8% faster), the block kernel above
-        return 1 if N > 256 else 2
+        return _ALGOS["block"] if N > _WARP_MAX_N else _ALGOS["warp"]
     return _ALGOS[algo]
 
 
 @functools.lru_cache(maxsize=None)
-def _warp_slots(ext, kind, bf16, N, sms):
+def _warp_slots(ext, layout, bf16, N, sms):
     """Warps of the warp forward kernel the GPU holds at once: `sms` times what one SM holds (the CUDA occupancy
     API), asked once per kernel variant rather than on every call. The chunk policy and the launch's one-wave
     decision (ramp, repair log) both count against it."""
-    return sms * ext.warp_blocks_per_sm(kind, int(bf16), N)
+    return sms * ext.warp_blocks_per_sm(layout, int(bf16), N)
 
 
 _SM90_SMEM = 227 * 1024   # shared memory a block may have on sm_90 (H100, H200)
 
 
-def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SMEM):
+def _default_chunk(ext, layout, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SMEM):
     """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
     within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB; the
     backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
@@ -221,7 +218,7 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SM
     and L = 128-65536 (docs/kernels.md) put the best chunk there, or within 10% of it,
     at every measured shape."""
     if not bwd and algo == _ALGOS["warp"]:
-        slots = _warp_slots(ext, kind, bool(bf16), N, sms)
+        slots = _warp_slots(ext, layout, bool(bf16), N, sms)
         chunks = lambda t: S * -(-L // t)
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         if chunks(T) > slots:
@@ -241,14 +238,14 @@ def _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SM
             T *= 2
         return T
     T = 16
-    while T > 4 and (ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
+    while T > 4 and (ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
         T //= 2
-    while T > 1 and ext.smem_bytes(kind, bf16, N, T, bwd, algo) > 200 * 1024:
+    while T > 1 and ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 200 * 1024:
         T //= 2
-    if bwd and N <= 128 and (S <= (16 if N <= 64 else 8) or (kind == _REAL and bf16)):
+    if bwd and N <= 128 and (S <= (16 if N <= 64 else 8) or (layout == _REAL and bf16)):
         cap = min(64, 2048 // N) if N <= 64 else 32
         while 2 * T <= cap and S * -(-L // (2 * T)) >= 4 * sms and \
-                ext.smem_bytes(kind, bf16, N, 2 * T, bwd, algo) <= smem_limit:
+                ext.smem_bytes(layout, bf16, N, 2 * T, bwd, algo) <= smem_limit:
             T *= 2
     return T
 
@@ -336,25 +333,25 @@ def _smem_limit(props):
     return getattr(props, "shared_memory_per_block_optin", None) or _SM90_SMEM   # where torch lacks it
 
 
-def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
+def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = _algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
     sms, limit = props.multi_processor_count, _smem_limit(props)
-    T = int(chunk) if chunk else _default_chunk(ext, kind, bf16, bwd, S, L, N, sms, code, limit)
+    T = int(chunk) if chunk else _default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, limit)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     if not warp_fwd:   # the staged kernels hold a chunk's rows in shared memory (the warp forward's use is fixed)
-        smem = ext.smem_bytes(kind, bf16, N, T, bwd, code)
+        smem = ext.smem_bytes(layout, bf16, N, T, bwd, code)
         if smem > limit:
             raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, "
                              f"more than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
     C = -(-L // T)
-    comps = 1 if kind == _REAL else 2
+    comps = 1 if layout == _REAL else 2
     starts, one_wave = None, False
     if warp_fwd:
-        one_wave = S * C <= _warp_slots(ext, kind, bool(bf16), N, sms)
+        one_wave = S * C <= _warp_slots(ext, layout, bool(bf16), N, sms)
         ramp = _chunk_ramp(chunk, C, T, one_wave)
         starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, flags, and (warp forward) link flags
@@ -373,11 +370,11 @@ def _run(kind, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
                       _ptr(link), _ptr(starts)]
     with torch.cuda.device(device):
-        ext.launch(kind, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
+        ext.launch(layout, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
 
 
-def _kind_of(dtype):
+def _layout_of(dtype):
     if dtype == torch.complex64:
         return _CPLX, False
     if dtype in (torch.float32, torch.bfloat16):
@@ -404,15 +401,15 @@ def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None, 
         x = pd_scan_fwd_cuda(P, D.float(), b.float(), None if x0 is None else x0.float(), chunk=chunk,
                              validate=validate, algo=algo)
         return x.half()
-    kind, bf16 = _kind_of(b.dtype)
+    layout, bf16 = _layout_of(b.dtype)
     Pc = _idx(P, N, validate)
     Dc, bc = D.contiguous(), b.contiguous()
     x = torch.empty_like(bc) if out is None else out
     if L == 0 or S == 0:
         return x
-    x0c = _x0_fp32(x0, S, N, kind == _CPLX)
+    x0c = _x0_fp32(x0, S, N, layout == _CPLX)
     ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(bc) + [0, 0] + _planes(x) + [0, 0]
-    _run(kind, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
+    _run(layout, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
     return x
 
 
@@ -423,19 +420,19 @@ def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=Non
         gD, gb, gx0 = pd_scan_bwd_cuda(P, D.float(), None if x0 is None else x0.float(), x.float(),
                                        grad_x.float(), chunk=chunk, validate=validate)
         return gD.half(), gb.half(), None if gx0 is None else gx0.to(x0.dtype)
-    kind, bf16 = _kind_of(D.dtype)
+    layout, bf16 = _layout_of(D.dtype)
     Pc = _idx(P, N, validate)
     Dc, xc, gc = D.contiguous(), x.contiguous(), grad_x.contiguous()
     if out is None:
         gD, gb = torch.empty_like(Dc), torch.empty_like(xc)
     else:
         gD, gb = out
-    x0c = _x0_fp32(x0, S, N, kind == _CPLX)
+    x0c = _x0_fp32(x0, S, N, layout == _CPLX)
     gx0 = None if x0 is None else torch.empty_like(x0c)
     if L == 0 or S == 0:
         return gD, gb, None if x0 is None else torch.zeros_like(x0)
     ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(gc) + _planes(xc) + _planes(gb) + _planes(gD)
-    _run(kind, bf16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
+    _run(layout, bf16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
     return gD, gb, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)
 
 

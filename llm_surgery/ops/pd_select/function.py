@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .. import fast_path
 from ..pd_scan import check_pd_inputs, pd_scan, pd_scan_backward
 
 
@@ -77,20 +78,11 @@ def softmax_jacobian_apply(logits: torch.Tensor, grad: torch.Tensor, tau: float,
     return (s * (g - (s * g).sum(dim, keepdim=True)) / tau).to(logits.dtype)
 
 
-def _fast_ste_grads():
-    """The Triton kernels when they can run (CUDA + triton importable), else None."""
-    try:
-        from .triton_ste import ste_grads_triton
-    except ImportError:
-        return None
-    return ste_grads_triton
-
-
 def _ste_grads(M, sel, P_dict, kstar, lam, D, x, x0, mask, tau):
     """(dL/dM, dL/dsel): G and r from the Triton kernels on CUDA (dx rebuilt inside them), else in torch."""
-    fast = _fast_ste_grads() if lam.is_cuda else None
-    if fast is not None:
-        G, r = fast(P_dict, kstar, lam, D, x, x0, mask, M.shape[1])
+    if fast_path.cuda_fast_path(lam, triton=True):
+        from .triton_ste import ste_grads_triton
+        G, r = ste_grads_triton(P_dict, kstar, lam, D, x, x0, mask, M.shape[1])
     else:
         x_prev = torch.cat([torch.zeros_like(x[:, :, :1]) if x0 is None else x0.unsqueeze(2), x[:, :, :-1]], dim=2)
         dx = D * x_prev

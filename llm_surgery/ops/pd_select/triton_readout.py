@@ -1,5 +1,5 @@
-"""Triton kernels for the per-head matrix products around the scan in `projected.py`, one program per (token
-block, head, sequence), reading u, y and their gradients in the layer's own [b, L, H*P] layout:
+"""Triton kernels for the per-head matrix products around the scan in `layers/flash_pdssm_fused.py`, one program
+per (token block, head, sequence), reading u, y and their gradients in the layer's own [b, L, H*P] layout:
 
   injection forward:  b = (B_re u, B_im u) as float32 planes
   readout forward:    y = x_re C_re^T - x_im C_im^T + D_skip * u

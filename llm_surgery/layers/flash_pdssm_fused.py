@@ -1,4 +1,5 @@
-"""The middle of a complex Flash PD-SSM layer on the GPU, from its input u to its readout, in one autograd node.
+"""The fused middle of a complex Flash PD-SSM layer on the GPU, from its input u to its readout, in one autograd
+node (`fused_middle`); the layer runs it under `backend="auto"` or `"kernel"`.
 
     u --x_proj--> proj --pd_transition--> D planes, k*, P_t ;  u --B--> b planes
         --pd_scan (split planes)--> x planes --> y = Re(C x) + D_skip u
@@ -10,8 +11,8 @@ tests; the difference is memory traffic and peak memory. Complex values stay spl
 complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the states and the
 weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
 batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
-kernels (`triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout. CUDA only:
-`usable(u)` says whether it can run.
+kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout.
+CUDA only: `usable(u)` says whether it can run.
 """
 
 from __future__ import annotations
@@ -19,20 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .function import column_argmax, softmax_jacobian_apply
+from ..ops import fast_path
+from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # of u, the layer's activations
 
 
-def usable(t: torch.Tensor) -> bool:
-    """CUDA tensor of a kernel dtype, pd_scan kernels built and Triton importable."""
-    if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    try:
-        from ..pd_scan import cuda
-        from ..pd_transition import triton_fused  # noqa: F401 - imports triton
-        from . import triton_ste  # noqa: F401
-    except ImportError:
-        return False
-    return cuda.available()
+def usable(u: torch.Tensor) -> bool:
+    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of KERNEL_DTYPES, the pd_scan kernels
+    built and Triton importable (`ops.fast_path`)."""
+    return fast_path.cuda_fast_path(u, dtypes=KERNEL_DTYPES, scan_kernels=True, triton=True)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -42,18 +39,18 @@ def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-GATES = (None, "sigmoid", "hard", "decay", "off")
+B_GATES = (None, "sigmoid", "hard", "decay", "off")
 
 
-def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, kind: str | None, K: int, N: int, unit_snap: float = 0.0):
+def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, b_gate: str | None, K: int, N: int, unit_snap: float = 0.0):
     """The b-gate of FlashPDSSM from one slice of the projection [b, L, H, W]: float32 [b, H, L, 1 or N]
     (None for no gate): sigmoid / hard of the last column, or 1 - |D_t| for "decay" (= sigmoid(a_t), or
     max(0, 1 - (1 + unit_snap) sigmoid(-a_t)) with the snapped magnitude)."""
-    if kind == "sigmoid":
+    if b_gate == "sigmoid":
         return torch.sigmoid(proj[..., -1].float()).transpose(1, 2).unsqueeze(-1)
-    if kind == "hard":
+    if b_gate == "hard":
         return (0.5 + proj[..., -1].float()).clamp(0, 1).transpose(1, 2).unsqueeze(-1)
-    if kind == "decay":
+    if b_gate == "decay":
         H = proj.shape[2]
         a = proj[..., K:K + N].float() + decay_bias.float().view(H, N)
         if unit_snap:
@@ -62,9 +59,9 @@ def _gate(proj: torch.Tensor, decay_bias: torch.Tensor, kind: str | None, K: int
     return None
 
 
-def _gate_backward(proj, gate, g_gate, gproj, kind, K, N, unit_snap: float = 0.0):
+def _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N, unit_snap: float = 0.0):
     """Adds the gate's gradient (g_gate, shaped like gate) into gproj; returns its part of dL/d decay_bias."""
-    if kind == "decay":
+    if b_gate == "decay":
         if unit_snap:  # gate = 1 - c s with s = sigmoid(-a), c = 1 + unit_snap: d gate / da = c s (1 - s), 0 if clamped
             s = (1 - gate) / (1 + unit_snap)
             g_a = torch.where(gate > 0, g_gate * (1 - gate) * (1 - s), torch.zeros_like(gate)).transpose(1, 2)
@@ -72,7 +69,7 @@ def _gate_backward(proj, gate, g_gate, gproj, kind, K, N, unit_snap: float = 0.0
             g_a = (g_gate * gate * (1 - gate)).transpose(1, 2)                    # [b, L, H, N]
         gproj[..., K:K + N] += g_a.to(gproj.dtype)
         return g_a.sum((0, 1)).reshape(-1)
-    if kind == "sigmoid":
+    if b_gate == "sigmoid":
         g_col = g_gate * gate * (1 - gate)
     else:  # hard: (0.5 + z).clamp(0, 1) passes the gradient where it is not clamped
         z = 0.5 + proj[..., -1].float().transpose(1, 2).unsqueeze(-1)
@@ -81,7 +78,7 @@ def _gate_backward(proj, gate, g_gate, gproj, kind, K, N, unit_snap: float = 0.0
     return None
 
 
-class _ProjectedSelectScan(torch.autograd.Function):
+class _FusedMiddle(torch.autograd.Function):
     # Both passes walk the batch in slices whose temporaries (the projection and its gradient, b and D planes,
     # P_t, k*, dL/dx = dL/db, dL/dD, r) stay near this many bytes: the backward runs while the whole graph's
     # activations are alive, so they add straight onto the layer's peak memory, while each slice costs some
@@ -90,13 +87,13 @@ class _ProjectedSelectScan(torch.autograd.Function):
 
     @staticmethod
     def _slices(B, L, H, N, K, P, W):
-        return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _ProjectedSelectScan.SLICE_BYTES)
+        return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _FusedMiddle.SLICE_BYTES)
 
     @staticmethod
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
-        from ..pd_scan.cuda import pd_scan_fwd_cuda_split
-        from ..pd_transition.triton_fused import transition_fwd_triton
-        from .triton_readout import injection_fwd, readout_fwd
+        from ..ops.pd_scan.cuda import pd_scan_fwd_cuda_split
+        from ..ops.pd_transition.triton_fused import transition_fwd_triton
+        from ..ops.pd_select.triton_readout import injection_fwd, readout_fwd
 
         if u.stride(-1) != 1:
             u = u.contiguous()
@@ -112,7 +109,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
         x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
         x_im = torch.empty_like(x_re)
         y = torch.empty_like(u)
-        for sl in _ProjectedSelectScan._slices(B, L, H, N, K, P, W):
+        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
             b = u[sl].shape[0]
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
             D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
@@ -138,17 +135,17 @@ class _ProjectedSelectScan(torch.autograd.Function):
     def backward(ctx, g_y, g_last_re, g_last_im):
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
         # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
-        return _ProjectedSelectScan._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
+        return _FusedMiddle._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
                                               x0, x_re, x_im, C, D_skip, mask,
                                               "ieee" if u.dtype == torch.float32 else "tf32")
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
                   precision):
-        from ..pd_scan.cuda import pd_scan_bwd_cuda_split
-        from ..pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
-        from .triton_readout import injection_bwd, injection_fwd, readout_bwd
-        from .triton_ste import float_planes, ste_grads_triton
+        from ..ops.pd_scan.cuda import pd_scan_bwd_cuda_split
+        from ..ops.pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+        from ..ops.pd_select.triton_readout import injection_bwd, injection_fwd, readout_bwd
+        from ..ops.pd_select.triton_ste import float_planes, ste_grads_triton
 
         if g_y is not None and g_y.stride(-1) != 1:
             g_y = g_y.contiguous()
@@ -168,7 +165,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
         gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
         g_u = torch.empty_like(u)
         gBw = None if b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
-        for sl in _ProjectedSelectScan._slices(B, L, H, N, K, P, W):
+        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
@@ -222,7 +219,7 @@ class _ProjectedSelectScan(torch.autograd.Function):
                 gskip.to(D_skip.dtype), None, None, None, None, None)
 
 
-def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
+def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
                              Bw: torch.Tensor, x0: torch.Tensor, C: torch.Tensor, D_skip: torch.Tensor,
                              tau: float = 1.0, mask: torch.Tensor | None = None, b_gate: str | None = None,
                              unit_snap: float = 0.0, phase_levels: int = 0):
@@ -234,41 +231,41 @@ def pd_select_scan_projected(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torc
     output per head and token is pd_transition's layout (K selector logits | N decay logits | N phases | the
     b-gate's column when it has one); decay_bias [H*N]; M [H,K,N,N] dictionary logits; Bw [H,N,P,2] (re, im)
     injection b_t = (B_h u_t) * gate; x0 [B,H,N] complex64 (the state before the first token); C [H,P,N,2]
-    (re, im) readout; D_skip [H,P]; mask [B,L] (0 = padding); b_gate one of GATES, unit_snap and phase_levels
+    (re, im) readout; D_skip [H,P]; mask [B,L] (0 = padding); b_gate one of B_GATES, unit_snap and phase_levels
     (FlashPDSSM's options; pd_transition/naive.py gives their maths).
     CUDA only (`usable`). Everything state-sized (the projection, b, D, dL/dx, ...) exists one batch slice at a
     time, in both passes.
     """
     H, K, N, _ = M.shape
     if u.dim() != 3:
-        raise ValueError(f"pd_select_scan_projected: u must be [B, L, H*P], got {tuple(u.shape)}")
+        raise ValueError(f"fused_middle: u must be [B, L, H*P], got {tuple(u.shape)}")
     B, L, d = u.shape
     if C.dim() != 4 or C.shape[0] != H or C.shape[2] != N or C.shape[3] != 2 or C.shape[1] * H != d:
-        raise ValueError(f"pd_select_scan_projected: C must be [H={H}, P={d // H}, N={N}, 2], got {tuple(C.shape)}")
+        raise ValueError(f"fused_middle: C must be [H={H}, P={d // H}, N={N}, 2], got {tuple(C.shape)}")
     P = C.shape[1]
     if Wx.dim() != 2 or Wx.shape[1] != d or Wx.shape[0] % H or Wx.shape[0] // H < K + 2 * N:
-        raise ValueError(f"pd_select_scan_projected: Wx must be [H*W, {d}] with W >= K + 2N = {K + 2 * N}, "
+        raise ValueError(f"fused_middle: Wx must be [H*W, {d}] with W >= K + 2N = {K + 2 * N}, "
                          f"got {tuple(Wx.shape)}")
     if decay_bias.numel() != H * N:
-        raise ValueError(f"pd_select_scan_projected: decay_bias must hold H*N = {H * N} values, "
+        raise ValueError(f"fused_middle: decay_bias must hold H*N = {H * N} values, "
                          f"got {decay_bias.numel()}")
     if D_skip.shape != (H, P):
-        raise ValueError(f"pd_select_scan_projected: D_skip must be [H, P] = {(H, P)}, got {tuple(D_skip.shape)}")
+        raise ValueError(f"fused_middle: D_skip must be [H, P] = {(H, P)}, got {tuple(D_skip.shape)}")
     if Bw.shape != (H, N, P, 2):
-        raise ValueError(f"pd_select_scan_projected: Bw must be [H, N, P, 2] = {(H, N, P, 2)}, got {tuple(Bw.shape)}")
-    if b_gate not in GATES:
-        raise ValueError(f"pd_select_scan_projected: b_gate must be one of {GATES}, got {b_gate!r}")
+        raise ValueError(f"fused_middle: Bw must be [H, N, P, 2] = {(H, N, P, 2)}, got {tuple(Bw.shape)}")
+    if b_gate not in B_GATES:
+        raise ValueError(f"fused_middle: b_gate must be one of {B_GATES}, got {b_gate!r}")
     if b_gate in ("sigmoid", "hard") and Wx.shape[0] // H < K + 2 * N + 1:
-        raise ValueError(f"pd_select_scan_projected: b_gate={b_gate!r} needs a gate column after K + 2N per head")
+        raise ValueError(f"fused_middle: b_gate={b_gate!r} needs a gate column after K + 2N per head")
     if x0.shape != (B, H, N) or x0.dtype != torch.complex64:
-        raise ValueError(f"pd_select_scan_projected: x0 must be complex64 [B, H, N] = {(B, H, N)}, "
+        raise ValueError(f"fused_middle: x0 must be complex64 [B, H, N] = {(B, H, N)}, "
                          f"got {x0.dtype} {tuple(x0.shape)}")
     if mask is not None and mask.shape != (B, L):
-        raise ValueError(f"pd_select_scan_projected: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
+        raise ValueError(f"fused_middle: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
     if tau <= 0:
-        raise ValueError(f"pd_select_scan_projected: tau must be > 0, got {tau}")
+        raise ValueError(f"fused_middle: tau must be > 0, got {tau}")
     if unit_snap < 0 or phase_levels < 0:
-        raise ValueError(f"pd_select_scan_projected: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
+        raise ValueError(f"fused_middle: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
                          f"{phase_levels}")
-    return _ProjectedSelectScan.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate,
+    return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate,
                                       float(unit_snap), int(phase_levels))
