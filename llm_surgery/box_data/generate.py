@@ -36,7 +36,7 @@ State = tuple[tuple[str, ...], ...]  # per box, its objects sorted alphabeticall
 
 @dataclass(frozen=True)
 class Operation:
-    kind: str  # "move", "remove" or "put"
+    action: str  # "move", "remove" or "put"
     objects: tuple[str, ...]  # sorted
     source: int | None  # box emptied from (move, remove)
     target: int | None  # box filled (move, put)
@@ -66,9 +66,9 @@ def describe_state(state: State) -> str:
 
 def operation_sentence(op: Operation) -> str:
     content = describe_objects(op.objects)
-    if op.kind == "move":
+    if op.action == "move":
         return f"Move {content} from Box {op.source} to Box {op.target}."
-    if op.kind == "remove":
+    if op.action == "remove":
         return f"Remove {content} from Box {op.source}."
     return f"Put {content} into Box {op.target}."
 
@@ -109,13 +109,13 @@ def _nonempty_subset(rng: random.Random, objects: Sequence[str]) -> tuple[str, .
 def sample_operation(rng: random.Random, state: State, vocab: Sequence[str]) -> Operation:
     """Uniform type and box; an impossible or over-capacity draw is redrawn from scratch."""
     while True:
-        kind = rng.choice(("move", "remove", "put"))
+        action = rng.choice(("move", "remove", "put"))
         box = rng.randrange(NUM_BOXES)
-        if kind in ("move", "remove"):
+        if action in ("move", "remove"):
             if not state[box]:
                 continue
             subset = _nonempty_subset(rng, state[box])
-            if kind == "remove":
+            if action == "remove":
                 return Operation("remove", subset, box, None)
             target = rng.choice([b for b in range(NUM_BOXES) if b != box])
             if len(state[target]) + len(subset) > MAX_PER_BOX:
