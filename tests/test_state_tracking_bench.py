@@ -250,6 +250,26 @@ def test_set_tau_reaches_every_pdssm_layer():
     m = StateTracker(3, 2, d_model=16, n_layers=2, kind="pdssm", num_heads=2)
     m.set_tau(0.25)
     assert [b.mixer.tau for b in m.blocks] == [0.25, 0.25]
+    with pytest.raises(ValueError, match="tau must be a positive finite number"):   # the layer's own check
+        m.set_tau(0.0)
+
+
+def test_model_is_built_from_the_library_pieces():
+    """No second copy of the library's parts: the norms are layers.common.RMSNorm (the inserted block's) and each
+    kind's mixer is the registry's build_mixer(kind, d_model, **options), the same module on the same seed."""
+    from llm_surgery.insert import block
+    from llm_surgery.layers.common import RMSNorm
+    from llm_surgery.layers.registry import build_mixer
+    assert block.RMSNorm is RMSNorm
+    for kind, opts in (("pdssm", dict(num_heads=2)), ("mamba2", {}), ("deltanet", {})):
+        torch.manual_seed(3)
+        m = StateTracker(3, 2, d_model=16, n_layers=1, kind=kind, mlp=True, **opts)
+        assert [type(n) for n in (m.blocks[0].norm, m.blocks[0].mlp[0], m.norm)] == [RMSNorm] * 3
+        torch.manual_seed(3)
+        torch.nn.Embedding(3, 16)   # what the model draws before its first mixer
+        ref, mixer = build_mixer(kind, 16, **opts), m.blocks[0].mixer
+        assert type(ref) is type(mixer)
+        assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), mixer.state_dict().values()))
 
 
 @pytest.mark.parametrize("complex_", [False, True])

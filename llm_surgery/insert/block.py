@@ -7,22 +7,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 (as the hosts' own norms are), cast back to the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+from llm_surgery.layers.common import RMSNorm
 
 
 class InsertedBlock(GradientCheckpointingLayer):

@@ -1,5 +1,6 @@
 """Pieces every Mamba2-style mixer needs: a causal depthwise convolution that carries its window across
-calls, a gated RMSNorm, and padding-mask handling. Written once here so the three kinds agree exactly."""
+calls, a gated RMSNorm, and padding-mask handling. Written once here so the three kinds agree exactly. Also the
+plain RMSNorm of the blocks around a mixer (the surgery's inserted block, the state-tracking model)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,23 @@ def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> 
         raise ValueError(f"attention_mask must be [batch, seq_len] = {tuple(x.shape[:2])}, "
                          f"got {tuple(attention_mask.shape)}")
     return x * attention_mask.to(x.dtype).unsqueeze(-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as the hosts' own norms are), cast back to the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,20 +1,15 @@
 """A small sequence classifier for synthetic state tracking: embedding, n pre-norm residual mixer blocks
-(+ MLP), final norm, a linear head reading the last position. The mixer kind is any of build_mixer's."""
+(+ MLP), final norm, a linear head reading the last position. The mixer kind is any of build_mixer's; the norm
+and the mixers are the library's own."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+from ...layers import FlashPDSSM
+from ...layers.common import RMSNorm
+from ...layers.registry import build_mixer
 
 
 class Block(nn.Module):
@@ -36,17 +31,9 @@ class StateTracker(nn.Module):
     def __init__(self, vocab_size: int, num_classes: int, d_model: int = 128, n_layers: int = 2,
                  kind: str = "pdssm", mlp: bool = False, **mixer_options):
         super().__init__()
-        from ...layers import FlashPDSSM
         self.embed = nn.Embedding(vocab_size, d_model)
-        blocks = []
-        for _ in range(n_layers):
-            if kind == "pdssm":
-                mixer = FlashPDSSM(d_model, **mixer_options)
-            else:
-                from ...layers.registry import build_mixer
-                mixer = build_mixer(kind, d_model, **mixer_options)
-            blocks.append(Block(mixer, d_model, mlp))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(Block(build_mixer(kind, d_model, **mixer_options), d_model, mlp)
+                                    for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
 
@@ -57,6 +44,7 @@ class StateTracker(nn.Module):
         return self.head(self.norm(x[:, -1]))
 
     def set_tau(self, tau: float) -> None:
+        """The straight-through temperature of every Flash PD-SSM mixer (the layer's own setter checks it)."""
         for m in self.modules():
-            if hasattr(m, "dictionary") and hasattr(m, "tau"):
-                m.tau = float(tau)
+            if isinstance(m, FlashPDSSM):
+                m.tau = tau
