@@ -1,5 +1,7 @@
 """The Flash PD-SSM layer: Mixer contract (state continuation, padding, dtypes), memory shape, errors."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -304,11 +306,13 @@ def test_one_cuda_fast_path_decision(monkeypatch):
     from types import SimpleNamespace
 
     from llm_surgery.layers import flash_pdssm_fused
+    from llm_surgery.layers.common import _block_kernels
     from llm_surgery.ops import fast_path
     from llm_surgery.ops.pd_scan import _use_cuda_kernels, cuda
 
     def gpu(shape, dtype=torch.float32):
-        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=torch.Size(shape), dim=lambda: len(shape))
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=torch.Size(shape), dim=lambda: len(shape),
+                               stride=lambda d: 1)
 
     built = []
     monkeypatch.setattr(cuda, "available", lambda: built.append(1) or True)
@@ -330,3 +334,7 @@ def test_one_cuda_fast_path_decision(monkeypatch):
     assert not flash_pdssm_fused.usable(gpu((2, 5, 48), torch.complex64))
     monkeypatch.setattr(fast_path, "triton_imports", lambda: False)
     assert _use_cuda_kernels(gpu((4, 5, 8))) and not flash_pdssm_fused.usable(gpu((2, 5, 48)))
+    assert _block_kernels(gpu((2, 5, 48))) is None   # the block pieces' Triton kernels need Triton only
+    if importlib.util.find_spec("triton") is not None:
+        monkeypatch.setattr(fast_path, "triton_imports", lambda: True)
+        assert _block_kernels(gpu((2, 5, 48))) is not None and _block_kernels(gpu((2, 5, 48), torch.float64)) is None

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import fast_path
+
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +51,11 @@ def check_attention_mask(attention_mask: torch.Tensor | None, hidden_states: tor
 
 
 def _block_kernels(x: torch.Tensor):
-    """The Triton kernels of `block_kernels.py` for a CUDA tensor of a kernel dtype, else None (torch path)."""
-    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(-1) != 1:
+    """The Triton kernels of `block_kernels.py` for a contiguous-rows CUDA tensor of a kernel dtype where Triton
+    imports (`ops.fast_path`), else None (torch path)."""
+    if x.stride(-1) != 1 or not fast_path.cuda_fast_path(x, dtypes=fast_path.FLOAT_DTYPES, triton=True):
         return None
-    try:
-        from . import block_kernels
-    except ImportError:
-        return None
+    from . import block_kernels
     return block_kernels
 
 

@@ -23,13 +23,11 @@ import torch.nn.functional as F
 from ..ops import fast_path
 from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # of u, the layer's activations
-
 
 def usable(u: torch.Tensor) -> bool:
-    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of KERNEL_DTYPES, the pd_scan kernels
-    built and Triton importable (`ops.fast_path`)."""
-    return fast_path.cuda_fast_path(u, dtypes=KERNEL_DTYPES, scan_kernels=True, triton=True)
+    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, the pd_scan
+    kernels built and Triton importable (`ops.fast_path`)."""
+    return fast_path.cuda_fast_path(u, dtypes=fast_path.FLOAT_DTYPES, scan_kernels=True, triton=True)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):

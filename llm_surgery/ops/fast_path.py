@@ -1,8 +1,10 @@
-"""The one answer to "may a CUDA fast path run for this tensor?", for every Flash PD-SSM op that has one.
+"""The one answer to "may a CUDA fast path run for this tensor?", for every op of this package that has one.
 
 The paths differ only in what they need, passed as arguments: the pd_scan kernels take their dtypes up to a state
-size of 1024 and need the bundled extension built; the straight-through gradient kernels need Triton; the fused
-layer middle needs both. Anything else (CPU tensors, float64, a failed build, no Triton) takes the torch path.
+size of 1024 and need the bundled extension built; the straight-through gradient kernels and the mixers' block
+kernels (gated RMSNorm, conv + SiLU) need Triton; the fused layer middle needs both. Anything else (CPU tensors,
+float64, a failed build, no Triton) takes the torch path. (Mamba2 and DeltaNet ask for their libraries' kernels
+through their own `backend`.)
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # activations the Triton kernels take
 
 
 @functools.cache
