@@ -379,6 +379,7 @@ def test_recipes_carry_the_paper_settings(name):
     cfg = parse_config([], defaults=defaults)
     assert (cfg.lr, cfg.schedule) == PAPER[name]
     assert cfg.weight_decay == 0.1 and cfg.warmup_ratio == 0.1 and cfg.n == 4 and cfg.min_lr_ratio == 0.1
+    assert (cfg.tau, cfg.tau_end) == (1.0, 0.1)  # the STE temperature annealed over the run
     assert cfg.model.count("/") == 1  # a hub id, replaceable by --model /local/path
     local = parse_config(["--model", "/data/ckpt", "--kind", "mamba2"], defaults=defaults)
     assert local.model == "/data/ckpt" and local.kind == "mamba2"

@@ -30,7 +30,10 @@ class TrainConfig:
     n: int = field(default=4, metadata={"help": "number of inserted layers"})
     positions: list[int] | None = field(default=None, metadata={"help": "attention layer indices to insert before"})
     mixer_options: str = field(default="{}", metadata={"help": "JSON dict of mixer constructor options"})
-    tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau)"})
+    tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau); the start "
+                                                            "of the annealing when --tau-end is given"})
+    tau_end: float | None = field(default=None, metadata={"help": "anneal the PD-SSM temperature geometrically from "
+                                                                "--tau (default 1.0) to this at the last step"})
     host_dtype: str = field(default="auto", metadata={"help": f"frozen host dtype: {', '.join(HOST_DTYPES)}"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank on the host attention projections (0 = off)"})
     lora_alpha: float = 16.0
@@ -88,6 +91,8 @@ class TrainConfig:
         "help": "teacher_forced (one forward per batch; exact match = what greedy decoding would give) or "
                 "generate (greedy_complete + the Box scorer; not with --fsdp)"})
     eval_every: int = field(default=0, metadata={"help": "validation every K steps (0 = only at the end)"})
+    eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split, "
+                                                            "before training (a baseline row)"})
     log_every: int = 10
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
     keep_last: int = 2
@@ -127,6 +132,9 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("tau", "tau_end"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number, got {getattr(self, name)}")
         if self.positions is not None and len(self.positions) != self.n:
             raise ValueError(f"positions {self.positions} must list n={self.n} layer indices")
         self.mixer_kwargs()

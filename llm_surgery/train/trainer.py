@@ -25,7 +25,7 @@ from .config import TrainConfig
 from .data import ShardedBatchSampler, TokenizedBox, cap_records, make_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
-from .schedule import build_scheduler
+from .schedule import build_scheduler, tau_at
 
 KILL_ENV = "LLM_SURGERY_KILL_AT_STEP"  # tests: SIGKILL rank 0 when this step starts (a real crash)
 
@@ -73,19 +73,19 @@ def use_cuda_kernels(cfg: TrainConfig, accelerator, log) -> None:
 
 def load_host(cfg: TrainConfig, accelerator, log):
     """(model, tokenizer, description) on this process's device."""
-    from .host import load_pretrained, pretrain_host, random_init_host, resolve_dtype
+    from .host import load_pretrained, random_init_host, resolve_dtype
 
     dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
     if cfg.random_init_config:
         model, tok = random_init_host(cfg.random_init_config, dtype, accelerator.device, cfg.seed)
         return model, tok, f"random-init {cfg.random_init_config}"
     path = cfg.model
-    if path is None:
+    if path is None:  # the shipped host if intact, else one pretrained here (main process first, then cached)
+        from .host import embedded_host
         if accelerator.is_main_process:
-            path = str(pretrain_host(cfg, log=log))
+            embedded_host(cfg, log=log)
         accelerator.wait_for_everyone()
-        from .host import tiny_host_dir
-        path = str(tiny_host_dir(cfg))
+        path = str(embedded_host(cfg, log=lambda msg: None))
     model, tok = load_pretrained(path, dtype, accelerator.device)
     return model, tok, path
 
@@ -212,6 +212,9 @@ def train(cfg: TrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
 
+    # inserted layers start as the identity (out_proj = 0): evaluated now, the model is the host alone
+    host_alone = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode) \
+        if cfg.eval_host else None
     start_step = 0
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
@@ -239,6 +242,8 @@ def train(cfg: TrainConfig) -> dict:
     for step in range(start_step, total_steps):
         if kill_at and step == kill_at and main:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.tau_end is not None:  # a function of the step: a resumed run continues the same schedule
+            set_tau(accelerator.unwrap_model(model), tau_at(step, total_steps, cfg.tau, cfg.tau_end))
         loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
         for micro in range(cfg.grad_accum):
             cpu = next(batches)
@@ -267,7 +272,8 @@ def train(cfg: TrainConfig) -> dict:
             window_t, window_tokens = now, 0
             record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
-                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch}
+                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
+                      **({"tau": tau_at(step, total_steps, cfg.tau, cfg.tau_end)} if cfg.tau_end else {})}
             if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
                 record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
             if main:
@@ -318,7 +324,7 @@ def train(cfg: TrainConfig) -> dict:
                "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
                "throughput": throughput, "num_processes": accelerator.num_processes,
                "distributed_type": accelerator.distributed_type.value,
-               "validation": val, "test": test, "config": cfg.to_dict()}
+               "validation": val, "test": test, "host_alone": host_alone, "config": cfg.to_dict()}
     final_dir = out_dir / "final"
     save_final(accelerator, model, final_dir, cfg)
     if main:
@@ -330,8 +336,8 @@ def train(cfg: TrainConfig) -> dict:
         print_results(results)
         if cfg.plot:
             try:
-                from .plot import plot_accuracy
-                png = plot_accuracy([{**results, "label": f"{cfg.kind} x{cfg.n}"}], out_dir / "accuracy.png")
+                from .plot import plot_run
+                png = plot_run(results, out_dir / "accuracy.png")
                 log(f"plot: {png}")
             except ImportError as e:  # matplotlib is optional on bare GPU images
                 log(f"no plot ({e})")
