@@ -57,7 +57,7 @@ class TrainConfig:
     max_eval_examples: int | None = field(default=1000, metadata={"help": "cap per evaluated split (None = all)"})
 
     # optimisation
-    lr: float = 1e-3
+    lr: float = 3e-4
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -68,7 +68,7 @@ class TrainConfig:
     batch_size: int = field(default=8, metadata={"help": "per-process micro-batch"})
     grad_accum: int = 1
     epochs: float = 1.0
-    max_steps: int | None = field(default=150, metadata={"help": "optimizer steps (None = run --epochs)"})
+    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps (None = run --epochs)"})
     max_grad_norm: float = 1.0
     seed: int = 0
 

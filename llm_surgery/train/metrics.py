@@ -113,7 +113,9 @@ def print_results(results: dict, title: str | None = None) -> None:
         for n, part in test["by_num_ops"].items():
             print(f"  {n:>3} transitions: {_pct(part['accuracy'])}")
         return
-    Console().print(results_table(results, title))
+    console = Console()
+    console.width = max(console.width, 110)  # the side-by-side table needs ~100 columns; piped output gets 80
+    console.print(results_table(results, title))
 
 
 class Throughput:
