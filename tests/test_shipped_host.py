@@ -121,7 +121,7 @@ def small_host(tmp_path_factory):
 @pytest.mark.slow
 def test_trainer_anneals_tau_by_step_and_a_resumed_run_continues_it(tmp_path, monkeypatch, small_host):
     """--tau-end: every step sets the layers' temperature from the step (tau_at); a run resumed at step 2 sets
-    the values the uninterrupted run set at steps 2 and 3, and logs them."""
+    the values the uninterrupted run set at steps 2 and 3, and logs them; it reports the first run's host alone."""
     import llm_surgery.insert as insert
     from llm_surgery.train.metrics import read_jsonl
 
@@ -129,12 +129,16 @@ def test_trainer_anneals_tau_by_step_and_a_resumed_run_continues_it(tmp_path, mo
     real = insert.set_tau
     monkeypatch.setattr(insert, "set_tau", lambda model, tau: seen.append(tau) or real(model, tau))
     common = ["--model", str(small_host), "--kind", "pdssm", "--n", "2", "--max-steps", "4", "--save-every", "2", "--tau", "2.0",
-              "--tau-end", "0.02", "--no-eval-host", *TINY]
+              "--tau-end", "0.02", *TINY]
     schedule = [2.0 * 0.01 ** (s / 3) for s in range(4)]
-    run([*common, "--output-dir", str(tmp_path / "a")])
+    first = run([*common, "--output-dir", str(tmp_path / "a")])
     assert seen == pytest.approx([2.0, *schedule], rel=1e-12)  # --tau at insertion, then one value per step
     seen.clear()
-    run([*common, "--output-dir", str(tmp_path / "a"), "--resume", str(tmp_path / "a" / "checkpoints" / "step-00000002")])
+    resumed = run([*common, "--output-dir", str(tmp_path / "a"), "--resume",
+                   str(tmp_path / "a" / "checkpoints" / "step-00000002")])
     assert seen == pytest.approx([2.0, *schedule[2:]], rel=1e-12)
+    # the host-alone row comes from the checkpoint (evaluated before the first step of the first run)
+    assert resumed["host_alone"]["accuracy"] == first["host_alone"]["accuracy"]
+    assert resumed["host_alone"]["token_accuracy"] == pytest.approx(first["host_alone"]["token_accuracy"])
     logged = {r["step"]: r["tau"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "tau" in r}
     assert logged == pytest.approx({s + 1: t for s, t in enumerate(schedule)}, rel=1e-12)

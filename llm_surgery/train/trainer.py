@@ -212,13 +212,15 @@ def train(cfg: TrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
 
-    # inserted layers start as the identity (out_proj = 0): evaluated now, the model is the host alone
+    # inserted layers start as the identity (out_proj = 0): evaluated now, the model is the host alone (a resumed
+    # run takes the figures its checkpoint carries: under FSDP a forward before loading would break the load)
     host_alone = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode) \
-        if cfg.eval_host else None
+        if cfg.eval_host and resume_path is None else None
     start_step = 0
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
         start_step = int(state["step"])
+        host_alone = state.get("host_alone")
         log(f"resumed from {resume_path} at step {start_step}")
     if main:
         if resume_path is not None:
@@ -292,7 +294,7 @@ def train(cfg: TrainConfig) -> dict:
             meter.pause()
             position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
             save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
-                            extra={"kind": cfg.kind, "total_steps": total_steps})
+                            extra={"kind": cfg.kind, "total_steps": total_steps, "host_alone": host_alone})
             meter.resume()
     meter.pause()
     if bar is not None:
