@@ -91,8 +91,9 @@ class TrainConfig:
         "help": "teacher_forced (one forward per batch; exact match = what greedy decoding would give) or "
                 "generate (greedy_complete + the Box scorer; not with --fsdp)"})
     eval_every: int = field(default=0, metadata={"help": "validation every K steps (0 = only at the end)"})
-    eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split, "
-                                                            "before training (a baseline row)"})
+    eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split "
+                                                            "before the first step (a baseline row, kept in "
+                                                            "checkpoints)"})
     log_every: int = 10
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
     keep_last: int = 2
