@@ -381,11 +381,13 @@ def test_fsdp_without_gpus_is_a_clear_error():
 
 @pytest.mark.slow
 def test_embedded_default_pretrains_once_and_trains(tmp_path, monkeypatch):
-    """The no-argument path (tiny host pretrained on Box, cached), shortened; the second run reuses the cache."""
-    from llm_surgery.train import run
+    """The fallback of the no-argument path when the shipped host is absent (tiny host pretrained on Box, cached),
+    shortened; the second run reuses the cache."""
+    from llm_surgery.train import host as host_mod, run
     from llm_surgery.train.host import tiny_host_dir as host_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(host_mod, "SHIPPED_HOST", tmp_path / "no_shipped_host")
     args = ["--pretrain-steps", "3", "--max-steps", "2", "--cache-dir", str(tmp_path / "cache"), "--kind", "mamba2",
             "--output-dir", str(tmp_path / "run"), *SMALL, "--test-max-ops", "8", "--max-eval-examples", "40"]
     res = run(args)
@@ -410,6 +412,7 @@ def test_recipes_carry_the_paper_settings(name):
     cfg = parse_config([], defaults=defaults)
     assert (cfg.lr, cfg.schedule) == PAPER[name]
     assert cfg.weight_decay == 0.1 and cfg.warmup_ratio == 0.1 and cfg.n == 4 and cfg.min_lr_ratio == 0.1
+    assert (cfg.tau, cfg.tau_end) == (1.0, 0.1)  # the STE temperature annealed over the run
     assert cfg.model.count("/") == 1  # a hub id, replaceable by --model /local/path
     local = parse_config(["--model", "/data/ckpt", "--kind", "mamba2"], defaults=defaults)
     assert local.model == "/data/ckpt" and local.kind == "mamba2"

@@ -42,7 +42,10 @@ class TrainConfig:
     n: int = field(default=4, metadata={"help": "number of inserted layers"})
     positions: list[int] | None = field(default=None, metadata={"help": "attention layer indices to insert before"})
     mixer_options: str = field(default="{}", metadata={"help": "JSON dict of mixer constructor options"})
-    tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau)"})
+    tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau); the start "
+                                                            "of the annealing when --tau-end is given"})
+    tau_end: float | None = field(default=None, metadata={"help": "anneal the PD-SSM temperature geometrically from "
+                                                                "--tau (default 1.0) to this at the last step"})
     host_dtype: str = field(default="auto", metadata={"help": f"frozen host dtype: {', '.join(HOST_DTYPES)}"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank on the host attention projections (0 = off)"})
     lora_alpha: float = 16.0
@@ -66,7 +69,7 @@ class TrainConfig:
     max_eval_examples: int | None = field(default=1000, metadata={"help": "cap per evaluated split (None = all)"})
 
     # optimisation
-    lr: float = 1e-3
+    lr: float = 3e-4
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -77,7 +80,7 @@ class TrainConfig:
     batch_size: int = field(default=8, metadata={"help": "per-process micro-batch"})
     grad_accum: int = 1
     epochs: float = 1.0
-    max_steps: int | None = field(default=150, metadata={"help": "optimizer steps (None = run --epochs)"})
+    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps (None = run --epochs)"})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "gradient clipping norm (> 0); none = "
                                                                        "no clipping"})
     seed: int = 0
@@ -101,6 +104,9 @@ class TrainConfig:
         "help": "teacher_forced (one forward per batch; exact match = what greedy decoding would give) or "
                 "generate (greedy_complete + the Box scorer; not with --fsdp)"})
     eval_every: int = field(default=0, metadata={"help": "validation every K steps (0 = only at the end)"})
+    eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split "
+                                                            "before the first step (a baseline row, kept in "
+                                                            "checkpoints)"})
     log_every: int = 10
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
     keep_last: int = 2
@@ -156,6 +162,7 @@ class TrainConfig:
         for name in ("lr", "pretrain_lr", "adam_eps", "epochs", "lora_alpha"):
             number(name, 0, low_open=True)
         number("tau", 0, low_open=True, none_ok=True)
+        number("tau_end", 0, low_open=True, none_ok=True)
         number("max_grad_norm", 0, low_open=True, none_ok=True, hint=" (none = no clipping)")
         number("weight_decay", 0)
         for name in ("adam_beta1", "adam_beta2", "lora_dropout", "warmup_ratio"):

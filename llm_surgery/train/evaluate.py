@@ -118,7 +118,7 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     from .artifact import load_trained
     from .config import TrainConfig
     from .data import cap_records, make_splits
-    from .host import load_pretrained, resolve_dtype, tiny_host_dir
+    from .host import embedded_host, load_pretrained, resolve_dtype
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file() or not (run_dir / "final").is_dir():
@@ -131,8 +131,8 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     accelerator = accelerator or make_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
     use_cuda_kernels(cfg, accelerator, log=lambda msg: None)  # the run's kernels, as it evaluated with them
-    model, tokenizer = load_pretrained(cfg.model or str(tiny_host_dir(cfg)), resolve_dtype(cfg.host_dtype, on_cuda),
-                                       accelerator.device)
+    host = cfg.model or str(embedded_host(cfg, log=lambda msg: None))
+    model, tokenizer = load_pretrained(host, resolve_dtype(cfg.host_dtype, on_cuda), accelerator.device)
     load_trained(model, run_dir / "final")
     mark_trainable(model)  # the tensors the run trained, kept in float32 under autocast as it kept them
     upcast_trainable(model, accelerator)

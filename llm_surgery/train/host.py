@@ -7,9 +7,11 @@ available to a process (`check_memory`). A host saved without a tokenizer gets t
 vocabulary has exactly the Box tokenizer's size, and the fallback is logged.
 
 The embedded host exists so that `python -m llm_surgery.train` runs offline on a laptop CPU. A random frozen
-host cannot learn Box through a few inserted layers, so it is first pretrained briefly on Box IID data with all
-weights trainable (`pretrain_host`), saved with `save_pretrained` into a cache directory keyed by the hash of
-everything that determines it, and loaded back frozen like any user checkpoint.
+host cannot learn Box through a few inserted layers. The package ships one pretrained on the Box language
+(`llm_surgery/data/box_host/`, made by `python -m llm_surgery.train.make_host`; `embedded_host` checks it against
+its SHA256SUMS). Where it is missing or corrupt, or for `--tiny-host nemotron`, a tiny host is pretrained briefly
+on Box IID data with all weights trainable (`pretrain_host`), saved with `save_pretrained` into a cache directory
+keyed by the hash of everything that determines it, and loaded back frozen like any user checkpoint.
 """
 
 from __future__ import annotations
@@ -178,6 +180,49 @@ def random_init_host(config_name: str, dtype: torch.dtype, device: torch.device,
 
 
 # ---------------------------------------------------------------- embedded tiny host
+
+SHIPPED_HOST = Path(__file__).resolve().parent.parent / "data" / "box_host"
+HASHES = "SHA256SUMS"  # "<sha256>  <file name>" per line, beside the files it covers
+REQUIRED = ("config.json", "model.safetensors")
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def shipped_host_problem(directory: str | Path = SHIPPED_HOST) -> str | None:
+    """Why the shipped host cannot be used, in one line; None when every file its SHA256SUMS lists is there with
+    that hash (and the weights and config are among them)."""
+    directory = Path(directory)
+    sums = directory / HASHES
+    if not sums.is_file():
+        return f"{sums} is missing"
+    listed = {}
+    for line in sums.read_text().splitlines():
+        parts = line.split()
+        if len(parts) != 2:
+            return f"{sums} has a malformed line {line!r}"
+        listed[parts[1]] = parts[0]
+    for name in REQUIRED:
+        if name not in listed:
+            return f"{sums} does not cover {name}"
+    for name, digest in listed.items():
+        if not (directory / name).is_file():
+            return f"{directory / name} is missing"
+        if file_sha256(directory / name) != digest:
+            return f"{directory / name} does not match its sha256 in {HASHES} (corrupt)"
+    return None
+
+
+def embedded_host(cfg, log=print) -> Path:
+    """The host of runs without --model: the shipped one when intact (granite), else `pretrain_host`."""
+    if cfg.tiny_host == "granite":
+        problem = shipped_host_problem(SHIPPED_HOST)  # read at call time (tests point it elsewhere)
+        if problem is None:
+            return SHIPPED_HOST
+        log(f"shipped host not used: {problem}; pretraining a tiny host instead ({cfg.pretrain_steps} steps)")
+    return pretrain_host(cfg, log=log)
+
 
 def tiny_host_spec(cfg) -> dict:
     """Everything that determines the pretrained tiny host (its cache key)."""

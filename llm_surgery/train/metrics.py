@@ -66,24 +66,38 @@ def _pct(x) -> str:
 
 
 def results_table(results: dict, title: str | None = None):
-    """A rich Table: IID / OOD / overall accuracy, then accuracy per number of transitions."""
+    """A rich Table: IID / OOD / overall, then each number of transitions; the host alone beside the trained
+    model when the run evaluated it (`results["host_alone"]`)."""
     from rich.table import Table
 
-    test = results["test"]
-    table = Table(title=title or f"Box accuracy (%) - {results.get('kind', '?')} x{results.get('n', '?')}")
+    test, host = results["test"], results.get("host_alone")
+    trained = f"+ {results.get('n', '?')} {results.get('kind', '?')}"
+    table = Table(title=title or f"Box test accuracy (%) - host + {results.get('n', '?')} x "
+                                 f"{results.get('kind', '?')} inserted layers")
     table.add_column("split")
     table.add_column("examples", justify="right")
-    table.add_column("accuracy", justify="right")
-    table.add_column("state acc.", justify="right")
-    table.add_column("token acc.", justify="right")
-    for name, part in (("IID (<= %d ops)" % test["train_max_ops"], test["iid"]),
-                       ("OOD (> %d ops)" % test["train_max_ops"], test["ood"]), ("all", test)):
-        table.add_row(name, str(part["num_examples"]), _pct(part["accuracy"]), _pct(part["state_accuracy"]),
-                      _pct(part.get("token_accuracy")))
+    metrics = (("exact match", "accuracy"), ("state acc.", "state_accuracy"), ("token acc.", "token_accuracy"))
+    for name, _ in metrics:
+        if host is not None:
+            table.add_column(f"{name}\nhost alone", justify="right")
+        table.add_column(f"{name}\n{trained}" if host is not None else name, justify="right")
+
+    def row(label, part, host_part):
+        cells = []
+        for _, key in metrics:
+            if host is not None:
+                cells.append(_pct((host_part or {}).get(key)))
+            cells.append(_pct(part.get(key)))
+        table.add_row(label, str(part["num_examples"]), *cells)
+
+    for label, key in (("IID (<= %d ops)" % test["train_max_ops"], "iid"),
+                       ("OOD (> %d ops)" % test["train_max_ops"], "ood")):
+        row(label, test[key], host and host[key])
+    row("all", test, host)
     table.add_section()
+    host_by = {str(k): v for k, v in (host or {}).get("by_num_ops", {}).items()}
     for n, part in test["by_num_ops"].items():
-        table.add_row(f"{n} transitions", str(part["num_examples"]), _pct(part["accuracy"]),
-                      _pct(part["state_accuracy"]), _pct(part.get("token_accuracy")))
+        row(f"{n} transitions", part, host_by.get(str(n)))
     return table
 
 
@@ -91,13 +105,17 @@ def print_results(results: dict, title: str | None = None) -> None:
     try:
         from rich.console import Console
     except ImportError:  # plain text where rich is missing
-        test = results["test"]
+        test, host = results["test"], results.get("host_alone")
+        if host:
+            print(f"host alone: IID {_pct(host['iid']['accuracy'])}  OOD {_pct(host['ood']['accuracy'])}")
         print(f"IID {_pct(test['iid']['accuracy'])}  OOD {_pct(test['ood']['accuracy'])}  "
               f"all {_pct(test['accuracy'])}")
         for n, part in test["by_num_ops"].items():
             print(f"  {n:>3} transitions: {_pct(part['accuracy'])}")
         return
-    Console().print(results_table(results, title))
+    console = Console()
+    console.width = max(console.width, 110)  # the side-by-side table needs ~100 columns; piped output gets 80
+    console.print(results_table(results, title))
 
 
 class Throughput:

@@ -2,12 +2,17 @@
 
 AdamW with weight decay 0.1 everywhere, 10% linear warm-up; Granite 350M/1B: lr 1e-3 then constant;
 Granite 3B/7B: lr 5e-4, cosine to 0.1x; Nemotron-H: lr 1e-4, same cosine; 4 inserted layers.
+
+The paper trains Flash PD-SSM with "slope annealed" straight-through estimation (sec. 3) but gives no start, end
+or shape; the recipes anneal the temperature geometrically from 1.0 to 0.1 over the run (`tau_schedule`'s
+defaults; no effect on mamba2 / deltanet).
 """
 
 from __future__ import annotations
 
 _COMMON = dict(n=4, weight_decay=0.1, warmup_ratio=0.1, num_sequences=1000, batch_size=8,
-               max_steps=None, max_eval_examples=None)  # one epoch, the whole test split
+               max_steps=None, max_eval_examples=None,  # one epoch, the whole test split
+               tau=1.0, tau_end=0.1)
 
 
 def _constant(lr: float) -> dict:

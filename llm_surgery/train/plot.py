@@ -58,6 +58,15 @@ def plot_accuracy(runs: list[dict], out: str | Path, title: str | None = None) -
     return out
 
 
+def plot_run(results: dict, out: str | Path) -> Path:
+    """A trainer run's plot: the host alone (when evaluated) and host + inserted layers."""
+    label = f"+ {results.get('n', '?')} x {results.get('kind', '?')}"
+    runs = [{**results, "label": label}]
+    if results.get("host_alone"):
+        runs.insert(0, {"test": results["host_alone"], "label": "host alone"})
+    return plot_accuracy(runs, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories or results JSON files")

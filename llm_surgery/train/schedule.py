@@ -1,5 +1,6 @@
-"""Learning-rate schedules of the paper: linear warm-up, then constant (Granite 350M/1B) or cosine decay to a
-floor of `min_lr_ratio` x lr (Granite 3B/7B, Nemotron-H)."""
+"""Schedules over the optimizer steps. Learning rate (the paper's): linear warm-up, then constant (Granite 350M/1B)
+or cosine decay to a floor of `min_lr_ratio` x lr (Granite 3B/7B, Nemotron-H). PD-SSM temperature: geometric
+annealing (`tau_at`)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_r
     lr_factor(0, total_steps, warmup, schedule, min_lr_ratio)  # validate now, not at the first step
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, schedule, min_lr_ratio))
+
+
+def tau_at(step: int, total_steps: int, tau: float | None, tau_end: float | None) -> float | None:
+    """The PD-SSM straight-through temperature for the update at `step` (0-based): geometric from `tau` (None:
+    the layer's default, 1.0) at step 0 to `tau_end` at the last step (`FlashPDSSM`'s `tau_schedule`); `tau`
+    itself when `tau_end` is None. A function of the step alone, so a resumed run continues the same schedule."""
+    from llm_surgery.layers.flash_pdssm import tau_schedule
+
+    if tau_end is None:
+        return tau
+    return tau_schedule(step, max(1, total_steps - 1), 1.0 if tau is None else tau, tau_end)

@@ -32,7 +32,7 @@ from .config import TrainConfig, UsageError
 from .data import ShardedBatchSampler, TokenizedBox, cap_records, check_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
-from .schedule import build_scheduler
+from .schedule import build_scheduler, tau_at
 
 KILL_ENV = "LLM_SURGERY_KILL_AT_STEP"  # tests: SIGKILL rank 0 when this step starts (a real crash)
 
@@ -84,19 +84,19 @@ def use_cuda_kernels(cfg: TrainConfig, accelerator, log) -> None:
 
 def load_host(cfg: TrainConfig, accelerator, log):
     """(model, tokenizer, description) on this process's device."""
-    from .host import load_pretrained, pretrain_host, random_init_host, resolve_dtype
+    from .host import load_pretrained, random_init_host, resolve_dtype
 
     dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
     if cfg.random_init_config:
         model, tok = random_init_host(cfg.random_init_config, dtype, accelerator.device, cfg.seed)
         return model, tok, f"random-init {cfg.random_init_config}"
     path = cfg.model
-    if path is None:
+    if path is None:  # the shipped host if intact, else one pretrained here (main process first, then cached)
+        from .host import embedded_host
         if accelerator.is_main_process:
-            path = str(pretrain_host(cfg, log=log))
+            embedded_host(cfg, log=log)
         accelerator.wait_for_everyone()
-        from .host import tiny_host_dir
-        path = str(tiny_host_dir(cfg))
+        path = str(embedded_host(cfg, log=lambda msg: None))
     model, tok = load_pretrained(path, dtype, accelerator.device, log=log)
     return model, tok, path
 
@@ -303,10 +303,15 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
 
+    # inserted layers start as the identity (out_proj = 0): evaluated now, the model is the host alone (a resumed
+    # run takes the figures its checkpoint carries: under FSDP a forward before loading would break the load)
+    host_alone = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode) \
+        if cfg.eval_host and resume_path is None else None
     start_step = 0
     if resume_path is not None:
         state = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
         start_step = int(state["step"])
+        host_alone = state.get("host_alone")
         log(f"resumed from {resume_path} at step {start_step}")
     if main:
         if resume_path is not None:
@@ -330,6 +335,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     for step in range(start_step, total_steps):
         if kill_at and step == kill_at and main:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.tau_end is not None:  # a function of the step: a resumed run continues the same schedule
+            set_tau(accelerator.unwrap_model(model), tau_at(step, total_steps, cfg.tau, cfg.tau_end))
         loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
         for micro in range(cfg.grad_accum):
             cpu = next(batches)
@@ -359,7 +366,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
             window_t, window_tokens = now, 0
             record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
-                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch}
+                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
+                      **({"tau": tau_at(step, total_steps, cfg.tau, cfg.tau_end)} if cfg.tau_end else {})}
             if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
                 record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
             if main:
@@ -379,7 +387,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
             position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
             save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
                             extra={"kind": cfg.kind, "total_steps": total_steps, "run_id": run["run_id"],
-                                   "settings": cfg.resume_settings(accelerator.num_processes)})
+                                   "settings": cfg.resume_settings(accelerator.num_processes),
+                                   "host_alone": host_alone})
             meter.resume()
     meter.pause()
     if bar is not None:
@@ -413,7 +422,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
                "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
                "throughput": throughput, "num_processes": accelerator.num_processes,
                "distributed_type": accelerator.distributed_type.value,
-               "run_id": run["run_id"], "validation": val, "test": test, "config": cfg.to_dict()}
+               "run_id": run["run_id"], "validation": val, "test": test, "host_alone": host_alone,
+               "config": cfg.to_dict()}
     if main:
         write_json(out_dir / "results.json", results)
         metrics.log({"step": total_steps, "throughput": throughput})
@@ -423,8 +433,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
         print_results(results)
         if cfg.plot:
             try:
-                from .plot import plot_accuracy
-                png = plot_accuracy([{**results, "label": f"{cfg.kind} x{cfg.n}"}], out_dir / "accuracy.png")
+                from .plot import plot_run
+                png = plot_run(results, out_dir / "accuracy.png")
                 log(f"plot: {png}")
             except ImportError as e:  # matplotlib is optional on bare GPU images
                 log(f"no plot ({e})")

@@ -1,0 +1,209 @@
+"""Pretrain the Box host that ships with the package (`llm_surgery/data/box_host/`).
+
+    python -m llm_surgery.train.make_host --minutes 15          # writes llm_surgery/data/box_host/
+
+The host learns the Box *language*, not the task. Its documents are
+- a description of the boxes followed by 0-6 operation sentences (`Move the cup from Box 2 to Box 5.`), and
+- a description of 1-7 of the boxes followed by the same boxes restated in a random order;
+with the loss on every token and an EOS at the end of every document. So it can read a box's contents off a
+description (by the box's number) and knows what operations look like, but it has never seen a query, an
+answer after operations, or an answer followed by EOS: the inserted layers learn those.
+
+Its documents come from the train split's initial arrangements (count signatures) of data seed 2255 but from
+their own random stream (`--doc-seed`), so they share no sequence with the trainer's splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# The shipped host's shape: GraniteMoeHybridForCausalLM (the Granite 4.0 class) with four attention layers and
+# no Mamba2 layer, like the dense Granite 4.0 models, RoPE, attention scale 1/sqrt(head_dim), plain multipliers.
+# Why not a NoPE Mamba2 hybrid: on this budget it never learned to look anything up (see docs/bench/train.md).
+SPEC = dict(hidden_size=64, pattern="****", position_embedding_type="rope", attention_multiplier=0.25,
+            mamba_chunk_size=64, embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)
+
+
+def documents(records: list[dict], rng: random.Random, restatements: int = 2) -> list[str]:
+    """Per sequence: one description+operations document and `restatements` restatement documents. A restatement
+    document describes a random subset of 1-7 of the boxes (in box order, as the full description does) and then
+    restates them in a random order: the fewer the boxes, the shorter and easier the lookup (a curriculum mixed
+    into every batch)."""
+    by_seq: dict[str, list[dict]] = {}
+    for r in records:
+        by_seq.setdefault(r["sequence_id"], []).append(r)
+    docs = []
+    for recs in by_seq.values():
+        k = rng.randrange(max(r["num_ops"] for r in recs) + 1)
+        docs.append(next(r for r in recs if r["num_ops"] == k)["context"].rsplit(" Box ", 1)[0])
+        clauses = [f"Box {r['box']}{r['target']}" for r in sorted((r for r in recs if r["num_ops"] == 0),
+                                                                   key=lambda r: r["box"])]
+        for _ in range(restatements):
+            kept = sorted(rng.sample(range(len(clauses)), rng.randint(1, len(clauses))))
+            order = rng.sample(kept, len(kept))
+            docs.append(", ".join(clauses[b] for b in kept) + ". " + ", ".join(clauses[b] for b in order) + ".")
+    rng.shuffle(docs)
+    return docs
+
+
+def is_full_restatement(doc: str) -> bool:
+    """A restatement document over all seven boxes (the held-out measure of what the host learned)."""
+    return ". Box " in doc and doc.split(". ", 1)[0].count("Box ") == 7
+
+
+def encode_docs(tokenizer, docs: list[str]) -> list[list[int]]:
+    return [ids + [tokenizer.eos_token_id] for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]]
+
+
+def _batch(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+    n = -(-max(map(len, seqs)) // 8) * 8
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@torch.no_grad()
+def restatement_accuracy(model, tokenizer, docs: list[str], batch_size: int = 64) -> float:
+    """Share of object tokens predicted right in the restated half of restatement documents (chance ~1%)."""
+    from llm_surgery.box_data import COMMON_OBJECTS
+
+    objects = set(tokenizer.convert_tokens_to_ids(list(COMMON_OBJECTS)))
+    model.eval()
+    hit = total = 0
+    for i in range(0, len(docs), batch_size):
+        seqs = encode_docs(tokenizer, docs[i:i + batch_size])
+        b = _batch(seqs)
+        pred = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits.argmax(-1)
+        for row, s in enumerate(seqs):
+            half = s.index(tokenizer.convert_tokens_to_ids(".")) + 1  # end of the description
+            for t in range(half, len(s) - 1):
+                if s[t + 1] in objects:
+                    total += 1
+                    hit += int(pred[row, t] == s[t + 1])
+    model.train()
+    return hit / max(total, 1)
+
+
+def build(seed: int = 0, **overrides):
+    from llm_surgery.box_data import build_box_tokenizer
+    from llm_surgery.hosts import build_tiny_host
+
+    tokenizer = build_box_tokenizer()
+    model = build_tiny_host("granite", seed=seed, vocab_size=len(tokenizer), **{**SPEC, **overrides})
+    return model, tokenizer
+
+
+def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
+                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
+    """AdamW (wd 0.1), 5% warm-up then cosine to 0.1x over `steps`; stops at `max_seconds`. Returns the curve."""
+    from .schedule import build_scheduler
+
+    log = log or (lambda msg: print(msg, flush=True))
+
+    data = encode_docs(tokenizer, docs)
+    g = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = build_scheduler(opt, steps, 0.05, "cosine", 0.1)
+    model.train()
+    curve, t0, order = [], time.time(), []
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order += g.sample(range(len(data)), len(data))
+        idx, order = order[:batch_size], order[batch_size:]
+        out = model(**_batch([data[i] for i in idx]), use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        over = time.time() - t0 > max_seconds or step == stop_at
+        if step % eval_every == 0 or step == steps or over:
+            acc = restatement_accuracy(model, tokenizer, eval_docs)
+            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(out.loss.item(), 4),
+                          "restatement_accuracy": round(acc, 4)})
+            log(f"  step {step}: loss {out.loss.item():.4f}, restated objects right {100 * acc:.1f}% "
+                f"({time.time() - t0:.0f} s)")
+        if over:
+            log(f"  stopping at step {step}" + ("" if step == stop_at else f": over the {max_seconds:.0f} s budget"))
+            break
+    model.eval()
+    return curve
+
+
+def main(argv: list[str] | None = None) -> None:
+    from llm_surgery.box_data import generate_split, signature_partition
+
+    from .host import HASHES, SHIPPED_HOST, file_sha256
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(SHIPPED_HOST))
+    p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of the pretraining (0 = none)")
+    p.add_argument("--steps", type=int, default=3000, help="length of the lr schedule")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this many steps (0 = at --steps)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--sequences", type=int, default=12000, help="Box sequences to draw documents from")
+    p.add_argument("--doc-seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", default="{}", help="JSON overrides of SPEC (tiny_config fields)")
+    p.add_argument("--init", default=None, help="continue from this saved host (a second session); its spec wins")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = signature_partition(2255)
+    t0 = time.time()
+    train = generate_split("train", args.sequences, 6, seed=args.doc_seed, signatures=parts["train"])
+    val = generate_split("validation", 100, 6, seed=args.doc_seed, signatures=parts["validation"])
+    rng = random.Random(args.seed)
+    docs, eval_docs = documents(train, rng), [d for d in documents(val, rng) if is_full_restatement(d)]
+    print(f"{len(docs)} documents ({time.time() - t0:.0f} s); {len(eval_docs)} held-out restatements", flush=True)
+    spec = {**SPEC, **json.loads(args.spec)}
+    model, tokenizer = build(args.seed, **spec)
+    before = []
+    if args.init:
+        from .host import load_pretrained
+
+        model, tokenizer = load_pretrained(args.init, torch.float32, torch.device("cpu"))
+        previous = json.loads((Path(args.init) / "host.json").read_text())
+        spec, before = previous["spec"], previous.get("sessions", [previous])
+    n = sum(p.numel() for p in model.parameters())
+    print(f"host: GraniteMoeHybridForCausalLM {spec}, {n:,} parameters", flush=True)
+    t1 = time.time()
+    curve = pretrain_docs(model, tokenizer, docs, eval_docs[:200], batch_size=args.batch_size, lr=args.lr,
+                          max_seconds=60 * args.minutes or float("inf"), steps=args.steps, seed=args.seed,
+                          stop_at=args.stop_at)
+    seconds = time.time() - t1
+    out = Path(args.out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"architecture": "GraniteMoeHybridForCausalLM", "spec": spec, "parameters": n,
+              "documents": len(docs), "sequences": args.sequences, "doc_seed": args.doc_seed, "seed": args.seed,
+              "batch_size": args.batch_size, "lr": args.lr, "schedule_steps": args.steps,
+              "steps_done": curve[-1]["step"], "seconds": round(seconds), "threads": torch.get_num_threads(),
+              "device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "curve": curve, "command": "python -m llm_surgery.train.make_host " + " ".join(argv or sys.argv[1:])}
+    record["sessions"] = [*before, {k: v for k, v in record.items() if k != "sessions"}]
+    (tmp / "host.json").write_text(json.dumps(record, indent=2))
+    (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
