@@ -1,16 +1,13 @@
-"""Granite 4.0 H Micro (3B) + 4 inserted layers on Box, with the paper's settings:
-AdamW, weight decay 0.1, lr 5e-4, cosine to 0.1x after 10% linear warm-up.
+"""Granite 4.0 H Micro (3B) + 4 inserted layers on Box, with the paper's settings: row `granite3b` of
+`llm_surgery.train.paper.PAPER_HOSTS` (--help shows them; any flag overrides them).
 
     accelerate launch recipes/granite3b.py --kind pdssm                      # hub checkpoint (downloads)
     accelerate launch recipes/granite3b.py --kind mamba2 --model /path/to/ckpt  # local copy
 
-Throughput run without the checkpoint: --random-init-config granite-4.0-h-micro. Any TrainConfig field can be overridden on the command line (--help).
+Throughput run without the checkpoint: --random-init-config granite-4.0-h-micro.
 """
 
-from llm_surgery.train import main
-from llm_surgery.train.paper import recipe_defaults
-
-DEFAULTS = recipe_defaults("granite3b")
+from llm_surgery.train.paper import run_recipe
 
 if __name__ == "__main__":
-    main(defaults=DEFAULTS, prog="recipes/granite3b.py")
+    run_recipe(__file__)

@@ -1,16 +1,14 @@
-"""Nemotron-H 12B (NVIDIA-Nemotron-Nano-12B-v2) + 4 inserted layers on Box, with the paper's settings:
-AdamW, weight decay 0.1, lr 1e-4, cosine to 0.1x after 10% linear warm-up.
+"""Nemotron-H 12B (NVIDIA-Nemotron-Nano-12B-v2) + 4 inserted layers on Box,
+with the paper's settings:
+row `nemotronh12b` of `llm_surgery.train.paper.PAPER_HOSTS` (--help shows them; any flag overrides them).
 
     accelerate launch recipes/nemotronh12b.py --kind pdssm                      # hub checkpoint (downloads)
     accelerate launch recipes/nemotronh12b.py --kind mamba2 --model /path/to/ckpt  # local copy
 
-Throughput run without the checkpoint: --random-init-config nemotron-nano-12b-v2. Any TrainConfig field can be overridden on the command line (--help).
+Throughput run without the checkpoint: --random-init-config nemotron-nano-12b-v2.
 """
 
-from llm_surgery.train import main
-from llm_surgery.train.paper import recipe_defaults
-
-DEFAULTS = recipe_defaults("nemotronh12b")
+from llm_surgery.train.paper import run_recipe
 
 if __name__ == "__main__":
-    main(defaults=DEFAULTS, prog="recipes/nemotronh12b.py")
+    run_recipe(__file__)

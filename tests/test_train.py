@@ -407,8 +407,8 @@ PAPER = {"granite350m": (1e-3, "constant"), "granite1b": (1e-3, "constant"), "gr
 
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_recipes_carry_the_paper_settings(name):
-    import runpy
-    defaults = runpy.run_path(str(REPO / "recipes" / f"{name}.py"))["DEFAULTS"]  # __main__ guard: no training
+    from llm_surgery.train.paper import recipe_defaults
+    defaults = recipe_defaults(name)
     cfg = parse_config([], defaults=defaults)
     assert (cfg.lr, cfg.schedule) == PAPER[name]
     assert cfg.weight_decay == 0.1 and cfg.warmup_ratio == 0.1 and cfg.n == 4 and cfg.min_lr_ratio == 0.1
@@ -416,6 +416,28 @@ def test_recipes_carry_the_paper_settings(name):
     assert cfg.model.count("/") == 1  # a hub id, replaceable by --model /local/path
     local = parse_config(["--model", "/data/ckpt", "--kind", "mamba2"], defaults=defaults)
     assert local.model == "/data/ckpt" and local.kind == "mamba2"
+
+
+def test_every_recipe_file_is_a_row_of_the_table_and_parses_its_command_line(monkeypatch, capsys):
+    """recipes/<name>.py names its row by its file name alone: each file has a row, each row a file, and running
+    the file (as `accelerate launch` does) parses that row's defaults: --help shows its hub id and schedule."""
+    import runpy
+
+    from llm_surgery.train.paper import PAPER_HOSTS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at the terminal's width, hub ids included
+    files = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+    assert files == sorted(PAPER_HOSTS) == sorted(PAPER)
+    for name in files:
+        monkeypatch.setattr(sys, "argv", [f"recipes/{name}.py", "--help"])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(REPO / "recipes" / f"{name}.py"), run_name="__main__")
+        assert done.value.code == 0
+        help_text = capsys.readouterr().out
+        assert help_text.startswith(f"usage: recipes/{name}.py"), help_text[:200]
+        lines = {line.split()[0]: line for line in help_text.splitlines() if line.startswith("  --")}
+        assert lines["--model"].endswith(f"(default: {PAPER_HOSTS[name][0]})")
+        assert lines["--schedule"].endswith(f"(default: {PAPER[name][1]})")
 
 
 @pytest.mark.slow

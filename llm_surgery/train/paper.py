@@ -1,4 +1,5 @@
-"""The paper's per-host training settings (appendix A.2), kept in one table so each recipe only names its host.
+"""The paper's per-host training settings (appendix A.2), kept in one table; `recipes/<name>.py` is a thin entry
+point whose file name is its row (`run_recipe(__file__)`).
 
 AdamW with weight decay 0.1 everywhere, 10% linear warm-up; Granite 350M/1B: lr 1e-3 then constant;
 Granite 3B/7B: lr 5e-4, cosine to 0.1x; Nemotron-H: lr 1e-4, same cosine; 4 inserted layers.
@@ -9,6 +10,8 @@ defaults; no effect on mamba2 / deltanet).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 _COMMON = dict(n=4, weight_decay=0.1, warmup_ratio=0.1, num_sequences=1000, batch_size=8,
                max_steps=None, max_eval_examples=None,  # one epoch, the whole test split
@@ -41,3 +44,11 @@ def recipe_defaults(name: str) -> dict:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(PAPER_HOSTS)}")
     model, schedule = PAPER_HOSTS[name]
     return {**_COMMON, "model": model, **schedule, "output_dir": f"runs/{name}"}
+
+
+def run_recipe(script: str, argv: list[str] | None = None) -> None:
+    """The command line of `recipes/<name>.py`: the trainer with row `<name>`'s defaults (--help lists them)."""
+    from . import main
+
+    name = Path(script).stem
+    main(argv, defaults=recipe_defaults(name), prog=f"recipes/{name}.py")
