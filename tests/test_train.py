@@ -273,10 +273,11 @@ SMALL = ["--num-sequences", "20", "--batch-size", "4", "--max-eval-examples", "6
 
 
 def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("LLM_SURGERY_KILL_AT_STEP", None)
-    return env
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+                TOKENIZERS_PARALLELISM="false")
+
+
+CRASH_AFTER_3 = [str(REPO / "tests" / "crash_after_step.py"), "3"]  # rank 0 SIGKILLed once step 3 is logged
 
 
 def _launch(args, env, expect_ok=True, script=("-m", "llm_surgery.train")):
@@ -323,8 +324,7 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     assert json.loads((full / "results.json").read_text()) == res
 
     crashed = tmp_path / "crashed"
-    proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
-                   expect_ok=False)
+    proc = _launch([*common, "--output-dir", str(crashed)], _env(), expect_ok=False, script=CRASH_AFTER_3)
     assert proc.returncode != 0
     assert [p.name for p in list_checkpoints(crashed / "checkpoints")] == ["step-00000002"]
     assert not (crashed / "results.json").exists()
@@ -363,8 +363,8 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes(tmp_path, tiny_host_
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     _assert_same_evaluation(evaluate_run(fsdp), json.loads((fsdp / "results.json").read_text())["test"])
 
-    proc = _launch([*common, "--output-dir", str(crashed)], {**_env(), "LLM_SURGERY_KILL_AT_STEP": "3"},
-                   expect_ok=False, script=script)
+    proc = _launch([*common, "--output-dir", str(crashed)], _env(), expect_ok=False,
+                   script=[*CRASH_AFTER_3, *script])
     assert proc.returncode != 0
     assert [p.name for p in list_checkpoints(crashed / "checkpoints")] == ["step-00000002"]
     _launch([*common, "--output-dir", str(crashed), "--resume", "latest"], _env(), script=script)

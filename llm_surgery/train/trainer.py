@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -33,9 +32,6 @@ from .data import ShardedBatchSampler, TokenizedBox, cap_records, check_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
 from .schedule import build_scheduler, tau_at
-
-KILL_ENV = "LLM_SURGERY_KILL_AT_STEP"  # tests: SIGKILL rank 0 when this step starts (a real crash)
-
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm is not finite: the run stops before applying that update."""
@@ -324,7 +320,6 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     if main and cfg.progress:
         from tqdm.auto import tqdm  # noqa: I001 - a dependency of transformers, always present
         bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.kind}", unit="step", dynamic_ncols=True)
-    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     if accelerator.device.type == "cuda":
@@ -333,8 +328,6 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     meter.start()
     window_t, window_tokens = time.perf_counter(), 0
     for step in range(start_step, total_steps):
-        if kill_at and step == kill_at and main:
-            os.kill(os.getpid(), signal.SIGKILL)
         if cfg.tau_end is not None:  # a function of the step: a resumed run continues the same schedule
             set_tau(accelerator.unwrap_model(model), tau_at(step, total_steps, cfg.tau, cfg.tau_end))
         loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
