@@ -779,6 +779,28 @@ def test_empty_evaluation_sets_and_cpu_float16_are_refused_before_work(tmp_path,
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_messages_are_log_records_that_the_command_line_shows_on_stdout(monkeypatch, capsys, caplog):
+    """The package logs through `llm_surgery.train` (a library does not print); a command line shows the lines on
+    stdout as before, once, and leaves alone a program that configured logging itself."""
+    import logging
+
+    from llm_surgery.train.messages import logger, show_messages
+
+    caplog.set_level("INFO", logger="llm_surgery.train")
+    logger.info("a message")
+    assert capsys.readouterr().out == "" and "a message" in caplog.text  # a library call prints nothing
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a bare program: pytest's capture handler off
+    monkeypatch.setattr(logger, "handlers", [])
+    show_messages()
+    show_messages()  # idempotent: one handler, one line per message
+    logger.info("host x: 10 params")
+    assert capsys.readouterr().out == "host x: 10 params\n"
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # configured by the program
+    show_messages()
+    assert logger.handlers == []
+
+
 def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
     from llm_surgery.train import main
 
@@ -834,7 +856,7 @@ def test_host_too_large_for_memory_is_refused_with_its_size(monkeypatch, tmp_pat
         host.check_memory(params, desc, torch.bfloat16, torch.device("cpu"), processes_here=2)
 
 
-def test_tokenizer_fallback_is_announced_and_refused_for_another_vocabulary(tmp_path, capsys):
+def test_tokenizer_fallback_is_announced_and_refused_for_another_vocabulary(tmp_path, caplog):
     from llm_surgery.box_data import build_box_tokenizer
     from llm_surgery.hosts import build_tiny_host
     from llm_surgery.train.config import UsageError
@@ -844,8 +866,9 @@ def test_tokenizer_fallback_is_announced_and_refused_for_another_vocabulary(tmp_
     for name, size in (("box", vocab), ("other", vocab + 64)):
         build_tiny_host("granite", seed=0, hidden_size=32, vocab_size=size, pattern="M*",
                         mamba_chunk_size=64).save_pretrained(tmp_path / name)  # saved without a tokenizer
+    caplog.set_level("INFO", logger="llm_surgery.train")
     _, tok = load_pretrained(str(tmp_path / "box"), torch.float32, torch.device("cpu"))
-    assert len(tok) == vocab and "using the Box word tokenizer" in capsys.readouterr().out
+    assert len(tok) == vocab and "using the Box word tokenizer" in caplog.text
     with pytest.raises(UsageError, match=rf"no tokenizer that loads.*fits only a host with that vocabulary, and "
                                          rf"this one has {vocab + 64}"):
         load_pretrained(str(tmp_path / "other"), torch.float32, torch.device("cpu"))

@@ -23,8 +23,10 @@ def main(argv: list[str] | None = None, defaults: dict | None = None, prog: str 
     """Console entry point (returns None so that `sys.exit(main())` exits with status 0)."""
     from .checkpoint import CheckpointError
     from .config import UsageError
+    from .messages import show_messages
     from .trainer import TrainingDiverged
 
+    show_messages()
     try:
         run(argv, defaults, prog)
     except (UsageError, CheckpointError, TrainingDiverged) as e:

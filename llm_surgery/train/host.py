@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import torch
 
 from .config import UsageError
+from .messages import logger
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRETRAIN_VERSION = 1  # bump when pretrain_host changes what it produces
@@ -135,7 +136,7 @@ def check_memory(params: int, desc: str, dtype: torch.dtype, device: torch.devic
                          "anyway")
 
 
-def load_tokenizer(source: str, vocab_size: int, log=print):
+def load_tokenizer(source: str, vocab_size: int, log=logger.info):
     """The host's own tokenizer, or the Box word tokenizer for a host built with it (same vocabulary size), said
     in the log; any other host without a loadable tokenizer is refused."""
     from transformers import AutoTokenizer
@@ -156,7 +157,7 @@ def load_tokenizer(source: str, vocab_size: int, log=print):
         return tokenizer
 
 
-def load_pretrained(name: str, dtype: torch.dtype, device: torch.device, log=print):
+def load_pretrained(name: str, dtype: torch.dtype, device: torch.device, log=logger.info):
     """A local checkpoint directory or a hub id (downloaded by transformers only because the user named it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -214,7 +215,7 @@ def shipped_host_problem(directory: str | Path = SHIPPED_HOST) -> str | None:
     return None
 
 
-def embedded_host(cfg, log=print) -> Path:
+def embedded_host(cfg, log=logger.info) -> Path:
     """The host of runs without --model: the shipped one when intact (granite), else `pretrain_host`."""
     if cfg.tiny_host == "granite":
         problem = shipped_host_problem(SHIPPED_HOST)  # read at call time (tests point it elsewhere)
@@ -248,7 +249,7 @@ def build_tiny(arch: str, vocab_size: int, seed: int):
                            pattern=pattern, **chunk)
 
 
-def pretrain_host(cfg, log=print) -> Path:
+def pretrain_host(cfg, log=logger.info) -> Path:
     """Pretrain the tiny host on Box IID data (all weights trainable) unless cached; returns its directory.
 
     Runs in one process (the caller makes the other ranks wait); the result is written to a temporary
@@ -284,7 +285,7 @@ def pretrain_host(cfg, log=print) -> Path:
 
 def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: float, seed: int = 0,
              warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0, all_tokens: bool = False,
-             device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None, log=print,
+             device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None, log=logger.info,
              log_every: int = 50, on_eval=None, eval_every: int = 0, max_seconds: float | None = None) -> float:
     """Train every weight of `model` on Box `records` (AdamW, weight decay 0.1, clipping 1.0, linear warm-up then
     cosine to `min_lr_ratio` x lr); returns the last loss. `all_tokens` puts the loss on every real token (the

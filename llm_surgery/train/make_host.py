@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .messages import logger, show_messages
+
 # The shipped host's shape: GraniteMoeHybridForCausalLM (the Granite 4.0 class) with four attention layers and
 # no Mamba2 layer, like the dense Granite 4.0 models, RoPE, attention scale 1/sqrt(head_dim), plain multipliers.
 # Why not a NoPE Mamba2 hybrid: on this budget it never learned to look anything up (see docs/bench/train.md).
@@ -110,7 +112,7 @@ def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: flo
     """AdamW (wd 0.1), 5% warm-up then cosine to 0.1x over `steps`; stops at `max_seconds`. Returns the curve."""
     from .schedule import build_scheduler
 
-    log = log or (lambda msg: print(msg, flush=True))
+    log = log or logger.info
 
     data = encode_docs(tokenizer, docs)
     g = random.Random(seed)
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init", default=None, help="continue from this saved host (a second session); its spec wins")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     args = p.parse_args(argv)
+    show_messages()
     if args.threads:
         torch.set_num_threads(args.threads)
     parts = signature_partition(2255)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     val = generate_split("validation", 100, 6, seed=args.doc_seed, signatures=parts["validation"])
     rng = random.Random(args.seed)
     docs, eval_docs = documents(train, rng), [d for d in documents(val, rng) if is_full_restatement(d)]
-    print(f"{len(docs)} documents ({time.time() - t0:.0f} s); {len(eval_docs)} held-out restatements", flush=True)
+    logger.info(f"{len(docs)} documents ({time.time() - t0:.0f} s); {len(eval_docs)} held-out restatements")
     spec = {**SPEC, **json.loads(args.spec)}
     model, tokenizer = build(args.seed, **spec)
     before = []
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         previous = json.loads((Path(args.init) / "host.json").read_text())
         spec, before = previous["spec"], previous.get("sessions", [previous])
     n = sum(p.numel() for p in model.parameters())
-    print(f"host: GraniteMoeHybridForCausalLM {spec}, {n:,} parameters", flush=True)
+    logger.info(f"host: GraniteMoeHybridForCausalLM {spec}, {n:,} parameters")
     t1 = time.time()
     curve = pretrain_docs(model, tokenizer, docs, eval_docs[:200], batch_size=args.batch_size, lr=args.lr,
                           max_seconds=60 * args.minutes or float("inf"), steps=args.steps, seed=args.seed,
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after {seconds:.0f} s")
+    logger.info(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after {seconds:.0f} s")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .checkpoint import fsync_tree, replace_dir
 from .config import UsageError
+from .messages import logger
 
 LOCK = ".llm-surgery.lock"
 # a run's outputs: any of these makes a fresh run refuse the directory (config.json alone is a run that never
@@ -69,7 +70,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def acquire_lock(out_dir: Path, log=print) -> Path:
+def acquire_lock(out_dir: Path, log=logger.info) -> Path:
     """Create the directory's lock file or raise UsageError naming the process that holds it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK

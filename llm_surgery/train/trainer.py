@@ -30,6 +30,7 @@ from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, l
 from .config import TrainConfig, UsageError
 from .data import ShardedBatchSampler, TokenizedBox, cap_records, check_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
+from .messages import logger
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
 from .schedule import build_scheduler, tau_at
 
@@ -228,7 +229,7 @@ def train(cfg: TrainConfig) -> dict:
 
     def log(msg: str) -> None:
         if main:
-            print(msg, flush=True)
+            logger.info(msg)
 
     run = preflight(cfg, accelerator, log)
     try:
