@@ -31,9 +31,6 @@ def mixer_class(kind: str) -> type[nn.Module]:
     return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
-_mixer_class = mixer_class   # the name train/config.py's option check calls
-
-
 def constructor_options(kind: str) -> set[str]:
     """The keyword options `kind`'s constructor takes, but the width, which the surgery passes itself."""
     params = inspect.signature(mixer_class(kind).__init__).parameters

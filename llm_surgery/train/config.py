@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import types
 import typing
 from dataclasses import dataclass, field
 
-from llm_surgery.layers.registry import MIXER_KINDS as KINDS
+from llm_surgery.layers.registry import MIXER_KINDS as KINDS, constructor_options
 
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -170,10 +169,10 @@ class TrainConfig:
         number("min_lr_ratio", 0, 1, high_open=False)
         if self.positions is not None and len(self.positions) != self.n:
             raise UsageError(f"positions {self.positions} must list n={self.n} layer indices")
-        unknown = sorted(set(self.mixer_kwargs()) - mixer_option_names(self.kind))
+        unknown = sorted(set(self.mixer_kwargs()) - constructor_options(self.kind))
         if unknown:
             raise UsageError(f"mixer_options {unknown} are not options of the {self.kind} mixer; known: "
-                             f"{', '.join(sorted(mixer_option_names(self.kind)))}")
+                             f"{', '.join(sorted(constructor_options(self.kind)))}")
 
     def mixer_kwargs(self) -> dict:
         try:
@@ -194,16 +193,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def mixer_option_names(kind: str) -> set[str]:
-    """Constructor options of a mixer kind (from its class's signature, via the layer registry), but the width,
-    which the surgery passes itself."""
-    from llm_surgery.layers import registry
-
-    params = inspect.signature(registry._mixer_class(kind).__init__).parameters
-    return {n for n, p in params.items() if n not in ("self", "hidden_size")
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def settings_diff(saved: dict, now: dict) -> list[str]:
