@@ -329,8 +329,9 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     meter.start()
     window_t, window_tokens = time.perf_counter(), 0
     for step in range(start_step, total_steps):
-        if cfg.tau_end is not None:  # a function of the step: a resumed run continues the same schedule
-            set_tau(accelerator.unwrap_model(model), tau_at(step, total_steps, cfg.tau, cfg.tau_end))
+        tau = None if cfg.tau_end is None else tau_at(step, total_steps, cfg.tau, cfg.tau_end)
+        if tau is not None:  # a function of the step: a resumed run continues the same schedule
+            set_tau(accelerator.unwrap_model(model), tau)
         loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
         for micro in range(cfg.grad_accum):
             cpu = next(batches)
@@ -348,20 +349,20 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
             window_tokens += n_tok
         done = step + 1
         grad_norm = accelerator.clip_grad_norm_(params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
-        _check_finite(accelerator, loss_sum, grad_norm, done, ckpt_root, run["run_id"])
+        loss_total = _check_finite(accelerator, loss_sum, grad_norm, done, ckpt_root, run["run_id"])
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         meter.step_done(step_tokens)
         if done % cfg.log_every == 0 or done == total_steps:
-            loss_mean = accelerator.reduce(loss_sum, "mean").item()
+            loss_mean = (loss_total / accelerator.num_processes).item()
             now = time.perf_counter()
             tok_s = window_tokens / max(now - window_t, 1e-9)
             window_t, window_tokens = now, 0
             record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
                       "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
-                      **({"tau": tau_at(step, total_steps, cfg.tau, cfg.tau_end)} if cfg.tau_end else {})}
+                      **({"tau": tau} if tau is not None else {})}
             if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
                 record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
             if main:
@@ -438,9 +439,11 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     return results
 
 
-def _check_finite(accelerator, loss_sum: torch.Tensor, grad_norm, step: int, ckpt_root: Path, run_id: str) -> None:
+def _check_finite(accelerator, loss_sum: torch.Tensor, grad_norm, step: int, ckpt_root: Path,
+                  run_id: str) -> torch.Tensor:
     """Stop before an update whose loss or gradient norm is not finite on any process (one sync per step). Under
-    fp16 mixed precision the gradient scaler skips non-finite gradients itself, so only the loss is checked."""
+    fp16 mixed precision the gradient scaler skips non-finite gradients itself, so only the loss is checked.
+    Returns the loss summed over the processes (the step's log reuses it instead of reducing again)."""
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
     health = torch.stack([loss_sum.float(), torch.as_tensor(grad_norm, dtype=torch.float32, device=loss_sum.device)])
     if accelerator.mixed_precision == "fp16":
@@ -448,7 +451,7 @@ def _check_finite(accelerator, loss_sum: torch.Tensor, grad_norm, step: int, ckp
     if accelerator.num_processes > 1:
         health = accelerator.reduce(health, "sum")  # NaN or inf anywhere stays NaN or inf
     if bool(torch.isfinite(health).all()):
-        return
+        return health[0]
     mine = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
     last = f"the last good checkpoint is {mine[-1]}" if mine else "no checkpoint was saved (--save-every)"
     raise TrainingDiverged(f"step {step}: the loss ({float(loss_sum):.4g} on this process) or the gradient norm "
