@@ -27,6 +27,12 @@ def _rows(L, H, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.conste
 
 
 @triton.jit
+def _head_cols(b, t, h, p, s_b, s_l, P: tl.constexpr):
+    """Offsets of head h's P columns at tokens t of sequence b in a [b, L, H*P] tensor (strides s_b, s_l, 1)."""
+    return b.to(tl.int64) * s_b + t[:, None].to(tl.int64) * s_l + h * P + p[None, :]
+
+
+@triton.jit
 def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, su_b, su_l, sy_b, sy_l,
                         N: tl.constexpr, P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
@@ -41,11 +47,9 @@ def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, s
     y = tl.dot(x_re, tl.load(cw, mask=cmask, other=0.0), input_precision=PRECISION)
     y -= tl.dot(x_im, tl.load(cw + 1, mask=cmask, other=0.0), input_precision=PRECISION)
     pm = tm[:, None] & (p[None, :] < P)
-    u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :], mask=pm,
-                other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P), mask=pm, other=0.0).to(tl.float32)
     y += tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)[None, :] * u
-    tl.store(y_ptr + b.to(tl.int64) * sy_b + t[:, None].to(tl.int64) * sy_l + h * P + p[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=pm)
+    tl.store(y_ptr + _head_cols(b, t, h, p, sy_b, sy_l, P), y.to(y_ptr.dtype.element_ty), mask=pm)
 
 
 @triton.jit
@@ -54,7 +58,7 @@ def _injection_fwd_kernel(u_ptr, bw_ptr, bre_ptr, bim_ptr, L, H, su_b, su_l, N: 
                           PRECISION: tl.constexpr):
     h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0))
     tm = t < L
-    u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :],
+    u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P),
                 mask=tm[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
     bw = bw_ptr + ((h * N + n[None, :]) * P + p[:, None]) * 2                 # B[h, n, p, :] as [p, n]
     wmask = (p[:, None] < P) & (n[None, :] < N)
@@ -82,10 +86,8 @@ def _readout_bwd_kernel(gy_ptr, xre_ptr, xim_ptr, c_ptr, u_ptr, gre_ptr, gim_ptr
         h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0) * REPEAT + r)
         tm = t < L
         pm = tm[:, None] & (p[None, :] < P)
-        g = tl.load(gy_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_l + h * P + p[None, :], mask=pm,
-                    other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :], mask=pm,
-                    other=0.0).to(tl.float32)
+        g = tl.load(gy_ptr + _head_cols(b, t, h, p, sg_b, sg_l, P), mask=pm, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P), mask=pm, other=0.0).to(tl.float32)
         gskip += tl.sum(g * u, axis=0)
         xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
         xm = tm[:, None] & (n[None, :] < N)
@@ -119,12 +121,10 @@ def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, g
         h, b, t, n, p = _rows(L, H, BLOCK_L, BLOCK_N, BLOCK_P, tl.program_id(0) * REPEAT + r)
         tm = t < L
         pm = tm[:, None] & (p[None, :] < P)
-        g = tl.load(gy_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_l + h * P + p[None, :], mask=pm,
-                    other=0.0).to(tl.float32)
+        g = tl.load(gy_ptr + _head_cols(b, t, h, p, sg_b, sg_l, P), mask=pm, other=0.0).to(tl.float32)
         gu = g * skip[None, :]
         if HAS_B:
-            u = tl.load(u_ptr + b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :],
-                        mask=pm, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P), mask=pm, other=0.0).to(tl.float32)
             xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
             xm = tm[:, None] & (n[None, :] < N)
             gre = tl.load(gbre_ptr + xo, mask=xm, other=0.0)
