@@ -685,8 +685,8 @@ def test_padding_mask_is_checked_once_per_forward_and_bad_values_refused(host_di
     x, mask = ids(), torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0
     calls = []
-    real_check = surgery_module.check_attention_mask
-    monkeypatch.setattr(surgery_module, "check_attention_mask", lambda *a: calls.append(1) or real_check(*a))
+    real_check = surgery_module.check_mask_values
+    monkeypatch.setattr(surgery_module, "check_mask_values", lambda *a: calls.append(1) or real_check(*a))
     seen = []
     for block in inserted_layers(model).values():
         block.mixer.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")), with_kwargs=True)

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache
 
-from llm_surgery.layers.common import check_attention_mask
+from llm_surgery.layers.common import check_mask_values
 
 from . import state
 from .block import InsertedBlock
@@ -137,7 +137,7 @@ def _capture_mask(surgery: _Surgery, mask_arg: int, module, args, kwargs):
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype != torch.bool:
         # Checked once per model forward and handed on as bool: each inserted mixer would otherwise check the
         # same values again, one host sync per layer.
-        check_attention_mask(mask, mask, "attention_mask")
+        check_mask_values(mask, "attention_mask")
         mask = mask.bool()
     surgery.mask = mask
 

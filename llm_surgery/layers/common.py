@@ -41,6 +41,12 @@ def check_attention_mask(attention_mask: torch.Tensor | None, hidden_states: tor
     if attention_mask.dim() != 2 or attention_mask.shape != hidden_states.shape[:2]:
         raise ValueError(f"{name}: attention_mask must be [batch, seq_len] = {tuple(hidden_states.shape[:2])}, "
                          f"got {tuple(attention_mask.shape)}")
+    check_mask_values(attention_mask, name)
+
+
+def check_mask_values(attention_mask: torch.Tensor, name: str) -> None:
+    """Raise a ValueError unless the mask is bool or holds only 0 and 1 (one host sync; skipped for bool masks and
+    while a CUDA graph is captured)."""
     if attention_mask.dtype == torch.bool or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     bad = (attention_mask != 0) & (attention_mask != 1)
