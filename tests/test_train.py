@@ -20,7 +20,7 @@ from llm_surgery.train.config import TrainConfig, build_parser, parse_config
 from llm_surgery.train.data import ShardedBatchSampler, cap_records, make_splits
 from llm_surgery.train.evaluate import compare_results, evaluate_run
 from llm_surgery.train.metrics import read_jsonl
-from llm_surgery.train.schedule import build_scheduler, lr_factor
+from llm_surgery.train.schedule import build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,25 +53,32 @@ def test_config_recipe_defaults_and_errors(capsys):
 
 # ---------------------------------------------------------------- schedule
 
-def test_schedule_shapes():
-    total, warm = 100, 10
-    const = [lr_factor(s, total, warm, "constant") for s in range(total)]
-    assert const[0] == pytest.approx(0.1) and const[9] == 1.0 and all(v == 1.0 for v in const[10:])
-    assert all(b > a for a, b in zip(const[:10], const[1:10]))  # linear warm-up
-    cos = [lr_factor(s, total, warm, "cosine", 0.1) for s in range(total + 1)]
-    assert cos[10] == pytest.approx(1.0) and cos[total] == pytest.approx(0.1)
-    assert all(b <= a + 1e-12 for a, b in zip(cos[10:], cos[11:]))  # monotone decay to the floor
-    assert cos[55] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # half way: mid-point of the cosine
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-    sched = build_scheduler(opt, total, 0.1, "cosine")
+def _lrs(total, warmup_ratio, schedule, min_lr_ratio=0.1):
+    """The lr of each of `total` updates under build_scheduler (peak 1.0)."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, total, warmup_ratio, schedule, min_lr_ratio)
     lrs = []
-    for _ in range(total):
+    for _ in range(total + 1):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs[0] == pytest.approx(1e-4) and max(lrs) == pytest.approx(1e-3) and lrs[-1] > 1e-4 - 1e-12
+    return lrs
+
+
+def test_schedule_shapes():
+    total, warm = 100, 10
+    const = _lrs(total, 0.1, "constant")
+    assert const[0] == 0.0 and const[5] == pytest.approx(0.5) and all(v == 1.0 for v in const[warm:])
+    assert all(b > a for a, b in zip(const[:warm], const[1:warm]))  # linear warm-up
+    cos = _lrs(total, 0.1, "cosine", 0.1)
+    assert cos[warm] == pytest.approx(1.0) and cos[total] == pytest.approx(0.1)
+    assert all(b <= a + 1e-12 for a, b in zip(cos[warm:], cos[warm + 1:]))  # monotone decay to the floor
+    assert cos[55] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # half way: mid-point of the cosine
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     with pytest.raises(ValueError, match="schedule"):
-        lr_factor(50, total, warm, "linear")
+        build_scheduler(opt, total, 0.1, "linear")
+    with pytest.raises(ValueError, match="total_steps"):
+        build_scheduler(opt, 0, 0.1, "cosine")
 
 
 # ---------------------------------------------------------------- data order
@@ -456,14 +463,22 @@ def test_lora_trains_and_round_trips(tmp_path, tiny_host_dir, monkeypatch):
                "--lr", "1e-2", "--grad-accum", "2", "--output-dir", str(out), *SMALL])
     assert read_jsonl(out / "metrics.jsonl")[2]["epoch"] == pytest.approx(6 / (588 // 4))  # 2 micro-batches a step
     assert res["params"]["trainable"] > res["params"]["inserted"]  # LoRA weights train too
-    saved = load_file(out / "final" / "lora.safetensors")
-    assert saved and all("lora_" in k for k in saved)
+    saved = load_file(out / "final" / "lora" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k and k.startswith("base_model.model.") for k in saved)
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # B starts at zero: it trained
     host = load_trained(AutoModelForCausalLM.from_pretrained(tiny_host_dir), out / "final")
     state = host.state_dict()
-    for k, v in saved.items():
-        torch.testing.assert_close(state[k], v)
+    for k, v in saved.items():   # peft's in-model names carry the adapter's name ("default")
+        torch.testing.assert_close(state[k.removeprefix("base_model.model.").replace(".weight", ".default.weight")], v)
     assert not any(p.requires_grad for p in host.parameters())
+    # a standard peft adapter: peft alone loads it onto the plain host (the surgery keeps the host's module names)
+    from peft import PeftModel
+
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_host_dir), out / "final" / "lora")
+    peft_state = plain.state_dict()
+    for k, v in saved.items():
+        torch.testing.assert_close(peft_state[k.replace(".weight", ".default.weight")], v)
+    assert plain.peft_config["default"].r == 4
 
 
 @pytest.mark.slow

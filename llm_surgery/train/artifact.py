@@ -1,15 +1,24 @@
-"""The final artifact of a run: a `save_inserted` directory (inserted layers + inserted.json), plus the LoRA
-adapter weights when LoRA was on (`lora.safetensors` + `lora.json`), and the way back (`load_trained`)."""
+"""The final artifact of a run: a `save_inserted` directory (inserted layers + inserted.json), plus, when LoRA was
+on, a standard peft adapter in `lora/` (`adapter_config.json` + `adapter_model.safetensors`: the surgery keeps the
+host's module names, so `PeftModel.from_pretrained(host, final/lora)` loads it onto the plain host too), and the
+way back (`load_trained`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
-LORA_WEIGHTS, LORA_CONFIG = "lora.safetensors", "lora.json"
+LORA_DIR = "lora"
+PEFT_PREFIX = "base_model.model."   # the key prefix of a PeftModel's saved adapter
+
+
+def lora_config(cfg):
+    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`)."""
+    from peft import LoraConfig
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
 
 
 def save_final(accelerator, model, final_dir: Path, cfg) -> None:
@@ -37,35 +46,33 @@ def save_final(accelerator, model, final_dir: Path, cfg) -> None:
             shutil.rmtree(tmp)
         save_inserted(inner, tmp, full_state_dict=full)
         if cfg.lora_r:
-            state = full if full is not None else inner.state_dict()
-            lora = {k: v.detach().cpu().contiguous() for k, v in state.items() if "lora_" in k}
-            save_file(lora, str(tmp / LORA_WEIGHTS))
-            (tmp / LORA_CONFIG).write_text(json.dumps(
-                {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
-                 "targets": cfg.lora_targets}, indent=2))
+            from peft import get_peft_model_state_dict
+
+            lcfg = lora_config(cfg)
+            lcfg.base_model_name_or_path = str(cfg.model) if cfg.model else None
+            lcfg.save_pretrained(str(tmp / LORA_DIR))
+            lora = get_peft_model_state_dict(inner, state_dict=full)
+            save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in lora.items()},
+                      str(tmp / LORA_DIR / "adapter_model.safetensors"))
         publish_dir(tmp, final_dir)
     accelerator.wait_for_everyone()
 
 
 def load_trained(model, final_dir: str | Path):
     """Put a run's trained layers (and LoRA adapters, if saved) into a fresh host; returns the model."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
     from llm_surgery.insert import load_inserted
 
     final_dir = Path(final_dir)
     load_inserted(model, final_dir)
-    if (final_dir / LORA_CONFIG).is_file():
-        spec = json.loads((final_dir / LORA_CONFIG).read_text())
-        targets = [t.strip() for t in spec["targets"].split(",") if t.strip()]
-        inject_adapter_in_model(LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                                           target_modules=targets), model)
-        weights = load_file(str(final_dir / LORA_WEIGHTS))
-        missing = set(weights) - set(model.state_dict())
-        if missing:
-            raise ValueError(f"{final_dir / LORA_WEIGHTS} has tensors this host lacks: {sorted(missing)[:5]}")
-        with torch.no_grad():
-            model.load_state_dict(weights, strict=False)
+    adapter = final_dir / LORA_DIR
+    if (adapter / "adapter_config.json").is_file():
+        inject_adapter_in_model(LoraConfig.from_pretrained(str(adapter)), model)
+        weights = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
+        result = set_peft_model_state_dict(model, weights)
+        if result.unexpected_keys:
+            raise ValueError(f"{adapter} has tensors this host lacks: {sorted(result.unexpected_keys)[:5]}")
     for p in model.parameters():
         p.requires_grad_(False)
     return model

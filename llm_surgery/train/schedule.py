@@ -4,33 +4,23 @@ annealing (`tau_at`)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.1) -> float:
-    """Multiplier of the peak lr for the update taken at `step` (0-based)."""
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    if schedule == "cosine":
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, schedule: str,
                     min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR (so its state_dict checkpoints and restores with the run)."""
+    """transformers' schedules: linear warm-up from 0 over round(warmup_ratio * total_steps) updates, then
+    constant, or cosine decay to min_lr_ratio x lr at total_steps. A LambdaLR: its state checkpoints with the run."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     warmup = int(round(warmup_ratio * total_steps))
-    lr_factor(0, total_steps, warmup, schedule, min_lr_ratio)  # validate now, not at the first step
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup, schedule, min_lr_ratio))
+    if schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    if schedule == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps, min_lr_rate=min_lr_ratio)
+    raise ValueError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
 
 
 def tau_at(step: int, total_steps: int, tau: float | None, tau_end: float | None) -> float | None:

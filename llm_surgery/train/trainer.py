@@ -100,14 +100,14 @@ def load_host(cfg: TrainConfig, accelerator, log):
 
 def add_lora(model, cfg: TrainConfig):
     """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
-    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets)
+    from .artifact import lora_config
+
+    lcfg = lora_config(cfg)
     inject_adapter_in_model(lcfg, model)
     if not any("lora_" in n for n, _ in model.named_parameters()):
-        raise UsageError(f"--lora-targets {targets} matched no module of this host")
+        raise UsageError(f"--lora-targets {sorted(lcfg.target_modules)} matched no module of this host")
     return lcfg
 
 
