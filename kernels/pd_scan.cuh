@@ -1,4 +1,5 @@
-// Shared between the CUDA kernels (pd_scan.cu) and the Python binding (pd_scan_bind.cpp): plain C types only.
+// Shared between the CUDA kernels (pd_scan_common.cuh, pd_scan_launch.cu) and the Python binding (pd_scan_bind.cpp):
+// plain C types only.
 #pragma once
 #include <cstdint>
 
@@ -26,7 +27,8 @@ struct ScanArgs {
                        // of T steps
   int S, L, N, T, C;
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
-  int algo;         // forward: 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel (cuda.py chooses)
+  int algo;         // forward: 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel (launch_policy.py
+                    // chooses)
 };
 
 }  // namespace pdk

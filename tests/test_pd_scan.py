@@ -160,45 +160,46 @@ def test_cuda_index_narrowing_never_wraps_without_a_gpu():
 
 def test_cuda_forward_kernel_policy_without_a_gpu():
     """The size policy that picks the CUDA forward kernel (pure Python: checked here, timed in BENCHMARKS)."""
-    from llm_surgery.ops.pd_scan import cuda
+    from llm_surgery.ops.pd_scan import launch_policy as policy
     for N in (1, 16, 32, 48, 64, 128, 256):   # the warp kernel up to N=256, at any size and dtype
-        assert cuda._algo_code("auto", N, False) == 2
-    assert cuda._algo_code("auto", 257, False) == 1    # the block kernel above
-    assert cuda._algo_code("auto", 1024, False) == 1
-    assert cuda._algo_code("block", 32, False) == 1
-    assert cuda._algo_code("block", 1000, False) == 1    # the block kernel takes any N <= 1024
-    assert cuda._algo_code("warp", 300, True) == 2      # the backward has one kernel: the code is not used
+        assert policy.algo_code("auto", N, False) == 2
+    assert policy.algo_code("auto", 257, False) == 1    # the block kernel above
+    assert policy.algo_code("auto", 1024, False) == 1
+    assert policy.algo_code("block", 32, False) == 1
+    assert policy.algo_code("block", 1000, False) == 1    # the block kernel takes any N <= 1024
+    assert policy.algo_code("warp", 300, True) == 2      # the backward has one kernel: the code is not used
     with pytest.raises(ValueError, match="N <= 256"):
-        cuda._algo_code("warp", 300, False)
+        policy.algo_code("warp", 300, False)
     with pytest.raises(ValueError, match="algo must be one of"):
-        cuda._algo_code("fastest", 30, False)
+        policy.algo_code("fastest", 30, False)
 
 
 def test_cuda_repair_log_capacity_without_a_gpu():
     """The warp forward's repair log: T N / 8 entries per chunk for chunks of 24..512 steps (bf16 over many
     waves: 128..512), else none."""
-    from llm_surgery.ops.pd_scan import cuda
+    from llm_surgery.ops.pd_scan import launch_policy as policy
 
-    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
-    assert cuda._repair_capacity(warp, False, False, 128, 128) == 2048
-    assert cuda._repair_capacity(warp, False, False, 24, 16) == 48
-    assert cuda._repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
-    assert cuda._repair_capacity(warp, False, False, 512, 128) == 8192  # steps 0..511: 9 bits of a log word
-    assert cuda._repair_capacity(warp, False, False, 513, 128) == 0    # past the kernel's step field
-    assert cuda._repair_capacity(warp, False, True, 256, 128) == 4096  # bfloat16 outputs: long chunks only
-    assert cuda._repair_capacity(warp, False, True, 64, 128) == 0      # over many waves
-    assert cuda._repair_capacity(warp, False, True, 64, 128, one_wave=True) == 1024   # in one wave: from 24 steps
-    assert cuda._repair_capacity(warp, False, True, 16, 128, one_wave=True) == 0
-    assert cuda._repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
-    assert cuda._repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
+    warp, block = policy.ALGOS["warp"], policy.ALGOS["block"]
+    assert policy.repair_capacity(warp, False, False, 128, 128) == 2048
+    assert policy.repair_capacity(warp, False, False, 24, 16) == 48
+    assert policy.repair_capacity(warp, False, False, 16, 128) == 0     # too short: replayed in full
+    assert policy.repair_capacity(warp, False, False, 512, 128) == 8192  # steps 0..511: 9 bits of a log word
+    assert policy.repair_capacity(warp, False, False, 513, 128) == 0    # past the kernel's step field
+    assert policy.repair_capacity(warp, False, True, 256, 128) == 4096  # bfloat16 outputs: long chunks only
+    assert policy.repair_capacity(warp, False, True, 64, 128) == 0      # over many waves
+    assert policy.repair_capacity(warp, False, True, 64, 128, one_wave=True) == 1024   # in one wave: from 24 steps
+    assert policy.repair_capacity(warp, False, True, 16, 128, one_wave=True) == 0
+    assert policy.repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
+    assert policy.repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
 
 
 def test_cuda_repair_bounds_match_the_kernel_source():
-    """cuda.py's step bounds for logged chunks mirror the kernel's REPAIR_MIN_T and REPAIR_MAX_T (read from
-    kernels/pd_scan.cu, no GPU): a drift would size logs for chunks the kernel replays in full, or the reverse."""
+    """The launch policy's step bounds for logged chunks mirror the kernel's REPAIR_MIN_T and REPAIR_MAX_T (read
+    from kernels/pd_fwd_warp.cu, no GPU): a drift would size logs for chunks the kernel replays in full, or the
+    reverse."""
     import re
-    from llm_surgery.ops.pd_scan import cuda
-    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    from llm_surgery.ops.pd_scan import cuda, launch_policy as policy
+    src = (cuda._source_dir() / "pd_fwd_warp.cu").read_text()
     const = {k: int(v) for k, v in re.findall(r"constexpr int (REPAIR_\w+) = (\d+);", src)}
     assert set(const) == {"REPAIR_EARLIEST", "REPAIR_LATEST", "REPAIR_MIN_T", "REPAIR_MAX_T"}
     assert 1 <= const["REPAIR_EARLIEST"] <= const["REPAIR_LATEST"] < 2 ** 8   # kc keeps 8 bits
@@ -206,87 +207,88 @@ def test_cuda_repair_bounds_match_the_kernel_source():
     # chunk's end) of chunks of REPAIR_MIN_T steps or more, the log only up to REPAIR_MAX_T
     assert "k >= REPAIR_EARLIEST - 1 && k < REPAIR_LATEST && k + 8 < Tc && Tc >= REPAIR_MIN_T" in src
     assert "a.rcap > 0 && Tc <= REPAIR_MAX_T" in src
-    assert cuda._REPAIR_MIN_T == const["REPAIR_MIN_T"]
-    assert cuda._REPAIR_MAX_T == const["REPAIR_MAX_T"]
+    assert policy.REPAIR_MIN_T == const["REPAIR_MIN_T"]
+    assert policy.REPAIR_MAX_T == const["REPAIR_MAX_T"]
 
 
 def test_cuda_link_record_size_matches_the_kernel_source():
-    """cuda.py sizes the warp forward's link records as the kernel's link_words does (read from kernels/pd_scan.cu,
-    no GPU): a smaller buffer would let chunks write over each other's records."""
+    """The launch policy sizes the warp forward's link records as the kernel's link_words does (read from
+    kernels/pd_fwd_warp.cu, no GPU): a smaller buffer would let chunks write over each other's records."""
     import re
-    from llm_surgery.ops.pd_scan import cuda
-    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    from llm_surgery.ops.pd_scan import cuda, launch_policy as policy
+    src = (cuda._source_dir() / "pd_fwd_warp.cu").read_text()
     m = re.search(r"constexpr int link_words\(int asize\) \{ return (\d+) \+ (\d+) \* asize / 4; \}", src)
-    assert m, "link_words not found in kernels/pd_scan.cu"
+    assert m, "link_words not found in kernels/pd_fwd_warp.cu"
     head, per = int(m.group(1)), int(m.group(2))
     for comps in (1, 2):   # real fp32 (4-byte values), complex (8-byte values)
-        assert cuda._link_words(comps) == head + per * (4 * comps) // 4
+        assert policy.link_words(comps) == head + per * (4 * comps) // 4
 
 
 def test_cuda_probe_count_matches_the_kernel_source():
     """cuda.py allocates the forward's clock64 probes as the kernel's PROBES strides them (no GPU): fewer columns
     would let a chunk's probes land in the next chunk's row, or past the buffer."""
     import re
-    from llm_surgery.ops.pd_scan import cuda
-    src = (cuda._source_dir() / "pd_scan.cu").read_text()
+    from llm_surgery.ops.pd_scan import cuda, launch_policy as policy
+    src = (cuda._source_dir() / "pd_scan_common.cuh").read_text()
     m = re.search(r"constexpr int PROBES = (\d+);", src)
-    assert m, "PROBES not found in kernels/pd_scan.cu"
-    assert cuda._PROBES == int(m.group(1))
-    used = {int(i) for i in re.findall(r"prof\[(\d+)\] =", src)}
-    assert used and max(used) < cuda._PROBES
+    assert m, "PROBES not found in kernels/pd_scan_common.cuh"
+    assert policy.PROBES == int(m.group(1))
+    every = "".join((cuda._source_dir() / f).read_text() for f in cuda._SOURCES + cuda._HEADERS)
+    used = {int(i) for i in re.findall(r"prof\[(\d+)\] =", every)}
+    assert used and max(used) < policy.PROBES
 
 
 def test_cuda_layouts_kernel_choice_and_limits_match_the_kernel_source():
-    """Every other number cuda.py mirrors from the kernels (read from kernels/, no GPU): the data layouts it passes
-    as `layout`, the forward-kernel codes (chosen in Python only; the C++ takes the code as given and refuses
-    others), the warp kernel's state-size limit, and N <= MAX_N (one thread per entry in the block kernels,
-    int16 indices)."""
+    """Every other number the Python side mirrors from the kernels (read from kernels/, no GPU): the data layouts
+    it passes as `layout`, the forward-kernel codes (chosen in Python only; the C++ takes the code as given and
+    refuses others), the warp kernel's state-size limit, and N <= MAX_N (one thread per entry in the block
+    kernels, int16 indices)."""
     import re
-    from llm_surgery.ops.pd_scan import cuda
-    src = (cuda._source_dir() / "pd_scan.cu").read_text()
-    header = (cuda._source_dir() / "pd_scan.cuh").read_text()
-    m = re.search(r"enum Layout \{ REAL = (\d+), SPLIT = (\d+), CPLX = (\d+) \};", src)
-    assert m, "enum Layout not found in kernels/pd_scan.cu"
-    assert (cuda._REAL, cuda._SPLIT, cuda._CPLX) == tuple(int(v) for v in m.groups())
-    const = {k: int(v) for k, v in re.findall(r"constexpr int (ALGO_\w+|WARP_MAX_N) = (\d+);", src)}
-    assert cuda._ALGOS == {"block": const["ALGO_BLOCK"], "warp": const["ALGO_WARP"]}
-    assert cuda._WARP_MAX_N == const["WARP_MAX_N"]
-    assert "fwd_algo" not in src   # no second choice of the forward kernel in C++
-    assert "const int algo = bwd ? ALGO_BLOCK : a.algo;" in src
-    assert cuda._algo_code("auto", cuda._WARP_MAX_N, False) == const["ALGO_WARP"]
-    assert cuda._algo_code("auto", cuda._WARP_MAX_N + 1, False) == const["ALGO_BLOCK"]
-    assert "__launch_bounds__(1024) pd_bwd_kernel" in src and cuda.MAX_N == 1024
-    assert "using Idx = int16_t;" in header and cuda.MAX_N < 2 ** 15
+    from llm_surgery.ops.pd_scan import cuda, launch_policy as policy
+    read = lambda f: (cuda._source_dir() / f).read_text()
+    launcher = read("pd_scan_launch.cu")
+    m = re.search(r"enum Layout \{ REAL = (\d+), SPLIT = (\d+), CPLX = (\d+) \};", read("pd_scan_common.cuh"))
+    assert m, "enum Layout not found in kernels/pd_scan_common.cuh"
+    assert (policy.REAL, policy.SPLIT, policy.CPLX) == tuple(int(v) for v in m.groups())
+    const = {k: int(v) for k, v in re.findall(r"constexpr int (ALGO_\w+|WARP_MAX_N) = (\d+);", launcher)}
+    assert policy.ALGOS == {"block": const["ALGO_BLOCK"], "warp": const["ALGO_WARP"]}
+    assert policy.WARP_MAX_N == const["WARP_MAX_N"]
+    assert "fwd_algo" not in launcher   # no second choice of the forward kernel in C++
+    assert "const int algo = bwd ? ALGO_BLOCK : a.algo;" in launcher
+    assert policy.algo_code("auto", policy.WARP_MAX_N, False) == const["ALGO_WARP"]
+    assert policy.algo_code("auto", policy.WARP_MAX_N + 1, False) == const["ALGO_BLOCK"]
+    assert "__launch_bounds__(1024) pd_bwd_kernel" in read("pd_bwd.cu") and cuda.MAX_N == 1024
+    assert "using Idx = int16_t;" in read("pd_scan.cuh") and cuda.MAX_N < 2 ** 15
 
 
 def test_cuda_chunk_tables_without_a_gpu():
     """The warp forward's chunk tables (pure Python): equal chunks of T steps with a shorter last one, or a ramp
     whose chunks grow along the sequence; either way they tile [0, L) with no empty chunk, and the default ramp's
     longest chunk at the one-wave shapes stays within the repair's REPAIR_MAX_T."""
-    from llm_surgery.ops.pd_scan import cuda
-    flat = cuda._chunk_starts_on(1000, 4, 256, 0.0, "cpu")
+    from llm_surgery.ops.pd_scan import launch_policy as policy
+    flat = policy.chunk_starts_on(1000, 4, 256, 0.0, "cpu")
     assert flat.tolist() == [0, 256, 512, 768, 1000]
     for L, C, T in [(16384, 64, 256), (16383, 64, 256), (8192, 64, 128), (2053, 33, 64), (100, 4, 32)]:
-        for r in (cuda._RAMP, 0.5):
-            s = cuda._chunk_starts_on(L, C, T, r, "cpu")
+        for r in (policy.RAMP, 0.5):
+            s = policy.chunk_starts_on(L, C, T, r, "cpu")
             n = s[1:] - s[:-1]
             assert s[0] == 0 and s[-1] == L and len(s) == C + 1
             assert (n > 0).all() and (n[1:] >= n[:-1] - 1).all(), (L, C, r)   # growing (up to rounding)
             assert n[-1] > n[0]
-        starts, longest = cuda._chunk_starts(L, C, T, cuda._RAMP, "cpu")
-        assert torch.equal(starts, cuda._chunk_starts_on(L, C, T, cuda._RAMP, "cpu"))
+        starts, longest = policy.chunk_starts(L, C, T, policy.RAMP, "cpu")
+        assert torch.equal(starts, policy.chunk_starts_on(L, C, T, policy.RAMP, "cpu"))
         assert longest == int((starts[1:] - starts[:-1]).max())
         if T == 256:
-            assert longest <= cuda._REPAIR_MAX_T
+            assert longest <= policy.REPAIR_MAX_T
 
 
 def test_cuda_chunk_ramp_policy_without_a_gpu():
     """Which warp-forward launches get growing chunks (pure Python): default chunks of >= 32 steps that fit one
     wave (and so have a repair log); not a caller's chunk, two waves, short chunks, one chunk, or chunks whose
     ramped length could pass the repair log's cap."""
-    from llm_surgery.ops.pd_scan import cuda
-    r, slots = cuda._RAMP, 132 * 16
-    ramp = lambda chunk, S, C, T: cuda._chunk_ramp(chunk, C, T, S * C <= slots)
+    from llm_surgery.ops.pd_scan import launch_policy as policy
+    r, slots = policy.RAMP, 132 * 16
+    ramp = lambda chunk, S, C, T: policy.chunk_ramp(chunk, C, T, S * C <= slots)
     assert ramp(None, 32, 64, 256) == r     # B=32, L=16384
     assert ramp(None, 32, 32, 64) == r      # B=32, L=2048
     assert ramp(256, 32, 64, 256) == 0.0    # the caller's chunk
@@ -299,7 +301,7 @@ def test_cuda_chunk_ramp_policy_without_a_gpu():
 
 def test_cuda_default_chunk_without_a_gpu():
     """Chunk lengths the CUDA path picks (pure Python; the shared-memory sizes come from a stand-in)."""
-    from llm_surgery.ops.pd_scan import cuda
+    from llm_surgery.ops.pd_scan import launch_policy as policy
 
     class Ext:   # shared memory of the block kernels: `per` bytes per entry-step
         def __init__(self, per=20):
@@ -311,10 +313,10 @@ def test_cuda_default_chunk_without_a_gpu():
         def warp_blocks_per_sm(self, kind, bf16, N):
             return 14
 
-    warp, block = cuda._ALGOS["warp"], cuda._ALGOS["block"]
+    warp, block = policy.ALGOS["warp"], policy.ALGOS["block"]
 
     def chunk(S, L, N, algo, bwd=False, per=20, smem_limit=227 * 1024):
-        return cuda._default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo, smem_limit)
+        return policy.default_chunk(Ext(per), 2, False, bwd, S, L, N, 132, algo, smem_limit)
 
     assert chunk(32, 2048, 128, warp) == 64 and chunk(8, 16384, 128, warp) == 128   # ~L/32 in [8, 128]
     assert chunk(32, 100, 128, warp) == 8 and chunk(32, 256, 128, warp) == 16   # >= 3.5 warps an SM
@@ -330,7 +332,7 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(32, 16384, 128, warp) == 288 and chunk(192, 16384, 128, warp) == 432
     assert chunk(8192, 300, 64, warp) == 300         # a sequence a warp slot or more: one chunk each where it fits
     assert chunk(4096, 4096, 32, warp) == 128        # ... and where it does not, ~L/32
-    assert cuda._default_chunk(Ext(), 2, True, False, 512, 4096, 32, 132, warp) == 128   # bf16 at N <= 32: ~L/32
+    assert policy.default_chunk(Ext(), 2, True, False, 512, 4096, 32, 132, warp) == 128   # bf16 at N <= 32: ~L/32
     assert chunk(512, 4096, 32, block) == 16         # block kernel: 16 when it fits 64 KB
     assert chunk(512, 4096, 1024, block) == 4        # halved towards 64 KB, but not below 4 ...
     assert chunk(512, 4096, 1024, block, per=60) == 2    # ... unless over 200 KB
@@ -339,16 +341,57 @@ def test_cuda_default_chunk_without_a_gpu():
     # while >= 4 chunks an SM remain
     assert chunk(8, 16384, 32, block, bwd=True) == 64 and chunk(4, 16384, 64, block, bwd=True) == 32
     assert chunk(32, 16384, 32, block, bwd=True) == 16 and chunk(16, 16384, 128, block, bwd=True) == 16
-    assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 32, 132, block) == 64
+    assert policy.default_chunk(Ext(), 0, True, True, 512, 2048, 32, 132, block) == 64
     # ... and at N = 65-128 32 steps for up to 8 sequences and for real bf16, where it fits the device
     assert chunk(8, 16384, 128, block, bwd=True) == 32 and chunk(4, 16384, 100, block, bwd=True) == 32
     assert chunk(8, 16384, 128, block, bwd=True, smem_limit=64 * 1024) == 16   # 20 x 128 x 32 bytes do not fit
     assert chunk(8, 16384, 32, block, bwd=True, smem_limit=32 * 1024) == 32    # 20 x 32 x 32 do, x 64 do not
     assert chunk(256, 2048, 128, block, bwd=True) == 16 and chunk(8, 16384, 256, block, bwd=True) == 8   # as before
-    assert cuda._default_chunk(Ext(), 0, True, True, 512, 2048, 128, 132, block) == 32
-    assert cuda._default_chunk(Ext(), 1, True, True, 512, 2048, 128, 132, block) == 16   # split bf16: not at 512
+    assert policy.default_chunk(Ext(), 0, True, True, 512, 2048, 128, 132, block) == 32
+    assert policy.default_chunk(Ext(), 1, True, True, 512, 2048, 128, 132, block) == 16   # split bf16: not at 512
     assert chunk(1, 128, 32, block, bwd=True) == 4        # a small launch keeps its 4-step chunks
     assert chunk(32, 128, 128, block) == 4           # and until there are >= 4 blocks per SM
+
+
+def test_launch_policy_choices_are_pinned():
+    """Every choice the launch policy makes, composed as cuda.py's launch composes them (forward kernel, chunk
+    length, one wave, ramp, longest chunk of the table, repair-log entries), over 5 forms x fwd/bwd x 7 state
+    sizes x 5 sequence counts x 4 lengths, equals the table in tests/data/pd_scan_launch_policy.json, written
+    from the code before it moved into launch_policy.py (no GPU: the extension's sizes come from a stand-in). A
+    change to any rule shows here as the shapes whose launch it changes."""
+    import json
+    from pathlib import Path
+    from llm_surgery.ops.pd_scan import launch_policy as policy
+
+    class Ext:   # staged kernels' shared memory grows with N T; the warp forward holds half as many warps past N=128
+        def smem_bytes(self, layout, bf16, N, T, bwd, algo):
+            return (3 if bwd else 2) * (2 if bf16 else 4) * (1 if layout == 0 else 2) * N * T + 2 * N * T + 4096
+
+        def warp_blocks_per_sm(self, layout, bf16, N):
+            return 16 if N <= 128 else 8
+
+    ext, sms = Ext(), 132
+    table = json.loads((Path(__file__).parent / "data" / "pd_scan_launch_policy.json").read_text())
+    for key, (want_code, want) in ((k, v) for k, v in table.items() if k != "about"):
+        layout, bf16, bwd, N = (int(v) for v in key.split(","))
+        bf16, bwd = bool(bf16), bool(bwd)
+        got = []
+        for S in (1, 8, 32, 192, 2048):
+            for L in (100, 2048, 16384, 65536):
+                code = policy.algo_code("auto", N, bwd)
+                assert code == want_code, key
+                T = policy.default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, 227 * 1024)
+                C = -(-L // T)
+                one_wave, ramp, longest = False, 0.0, T
+                if not bwd and code == policy.ALGOS["warp"]:
+                    one_wave = S * C <= policy.warp_slots(ext, layout, bf16, N, sms)
+                    ramp = policy.chunk_ramp(None, C, T, one_wave)
+                    _, longest = policy.chunk_starts(L, C, T, ramp, "cpu")
+                rcap = policy.repair_capacity(code, bwd, bf16, longest, N, one_wave)
+                got.append([T, longest, rcap, int(one_wave), int(ramp > 0)])
+        mismatch = [(S, L, g, w) for (S, L), g, w in zip([(S, L) for S in (1, 8, 32, 192, 2048)
+                                                          for L in (100, 2048, 16384, 65536)], got, want) if g != w]
+        assert not mismatch, f"{key}: (S, L, got, pinned) {mismatch[:4]}"
 
 
 def test_cuda_build_hash_covers_every_kernel_source():

@@ -204,14 +204,13 @@ def test_warp_ramped_chunks_match_reference(form, ramp, monkeypatch):
     """One wave of chunks (32 sequences of 2053 steps at the default chunk): the warp forward's chunks grow along
     each sequence (the default ramp, and a steep one whose last chunks are 1.5x the mean), and the outputs still
     match the float64 loop to fp32 accuracy."""
-    K = _cuda()
+    from llm_surgery.ops.pd_scan import launch_policy as policy
+    _cuda()
     P, D, b, x0, _ = _inputs(32, 2053, 128, form != "f32", seed=5)
-    if ramp is None:
-        monkeypatch.delitem(K._state, "ramp", raising=False)
-    else:
-        monkeypatch.setitem(K._state, "ramp", ramp)
+    if ramp is not None:
+        monkeypatch.setattr(policy, "RAMP", ramp)
     _check_warp_forward(form, P, D, b, x0, (None,), 1e-5)
-    used = [key for key in K._CHUNK_TABLES if key[0] == 2053 and key[3] == (ramp or K._RAMP)]
+    used = [key for key in policy.CHUNK_TABLES if key[0] == 2053 and key[3] == policy.RAMP]
     assert used, "the launch did not use a ramped chunk table"
 
 
@@ -219,11 +218,12 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
     """A ramped launch captured in a CUDA graph before any eager call of its shape: the chunk table is built on
     the device inside the capture (no host copy there), equals the host's table, and replays match the float64
     loop, also after new inputs are copied into the captured buffers."""
+    from llm_surgery.ops.pd_scan import launch_policy as policy
     K = _cuda()
     L = 2063   # a shape no other test launches, so that its table is not cached yet
     P, D, b, x0, _ = _inputs(32, L, 128, True, seed=9)
     Pk, Dk, bk, x0k = P.to(torch.int32), D.to(torch.complex64), b.to(torch.complex64), x0.to(torch.complex64)
-    assert not [key for key in K._CHUNK_TABLES if key[0] == L]
+    assert not [key for key in policy.CHUNK_TABLES if key[0] == L]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):   # the first launch builds the kernel, outside the capture
@@ -232,7 +232,7 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         x = K.pd_scan_fwd_cuda(Pk, Dk, bk, x0k, algo="warp")
-    assert not [key for key in K._CHUNK_TABLES if key[0] == L], "the capture cached a table"
+    assert not [key for key in policy.CHUNK_TABLES if key[0] == L], "the capture cached a table"
     for seed in (9, 10):
         P2, D2, b2, x02, _ = _inputs(32, L, 128, True, seed=seed)
         Pk.copy_(P2.to(torch.int32)); Dk.copy_(D2.to(torch.complex64)); bk.copy_(b2.to(torch.complex64))
@@ -242,8 +242,8 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
         ref = _naive(P2, Dk.to(D2.dtype), bk.to(b2.dtype), x0k.to(x02.dtype))
         assert _rel(x, ref) < 1e-5, seed
     C = -(-L // 64)
-    starts, _ = K._chunk_starts(L, C, 64, K._RAMP, Pk.device)   # now eager: cached from the host
-    assert torch.equal(starts.cpu(), K._chunk_starts_on(L, C, 64, K._RAMP, Pk.device).cpu())
+    starts, _ = policy.chunk_starts(L, C, 64, policy.RAMP, Pk.device)   # now eager: cached from the host
+    assert torch.equal(starts.cpu(), policy.chunk_starts_on(L, C, 64, policy.RAMP, Pk.device).cpu())
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32", "chain"])
@@ -333,7 +333,8 @@ def test_too_long_chunk_raises_and_cuda_stays_usable(monkeypatch):
     x = K.pd_scan_fwd_cuda(P, D, b)
     with pytest.raises(ValueError, match="shared memory"):
         K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
-    monkeypatch.setattr(K, "_smem_limit", lambda props: 1 << 30)
+    from llm_surgery.ops.pd_scan import launch_policy
+    monkeypatch.setattr(launch_policy, "smem_limit", lambda props: 1 << 30)
     with pytest.raises(RuntimeError, match="smem"):
         K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
     y = (x * 2).sum()   # a torch kernel launch and a sync: no stale error from the refused launch

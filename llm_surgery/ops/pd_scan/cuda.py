@@ -20,7 +20,8 @@ float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` bef
 the chunk length (steps per block; default from the shared-memory budget), `out=` takes preallocated outputs,
 `algo=` picks the forward kernel: "block" (one block per chunk, one thread per entry, shared-memory scatter, any
 N <= 1024), "warp" (one warp per chunk, per-step gather lists, N <= 256), or "auto" (default: the kernel that
-measured fastest on the H100 and H200 at that size, `_algo_code`; docs/kernels.md).
+measured fastest on the H100 and H200 at that size). How a launch is configured (kernel, chunk length,
+chunk table, repair log) is `launch_policy`'s; docs/kernels.md gives the measurements behind it.
 P values must lie in [0, N): `pd_scan` checks them before it calls these, as `validate=True` does here (a ValueError;
 one aminmax and a device sync). Unchecked, an out-of-range value is moved into the state by the kernels (no memory
 outside it is touched; the outputs are then meaningless), and int32/int64 values are never wrapped into range by
@@ -29,7 +30,6 @@ the narrowing to int16.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import os
@@ -39,15 +39,17 @@ from pathlib import Path
 import torch
 
 from . import check_index_range
+from . import launch_policy as policy
+from .launch_policy import CPLX as _CPLX, REAL as _REAL, SPLIT as _SPLIT
 
 __all__ = ["available", "supports", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
            "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
-_SOURCES = ("pd_scan_bind.cpp", "pd_scan.cu")
-_HEADERS = ("pd_scan.cuh",)
+# one translation unit per kernel (ninja compiles them in parallel on first use); kernels/ holds them
+_SOURCES = ("pd_scan_bind.cpp", "pd_scan_launch.cu", "pd_fwd_block.cu", "pd_fwd_warp.cu", "pd_bwd.cu")
+_HEADERS = ("pd_scan.cuh", "pd_scan_common.cuh", "pd_scan_kernels.cuh")
 MAX_N = 1024   # the largest state size: one thread per entry in the block kernels, int16 indices
-_REAL, _SPLIT, _CPLX = 0, 1, 2   # the kernels' data layouts, kernels/pd_scan.cu: enum Layout (a test compares)
 
 _ext = None
 _state: dict = {}
@@ -165,183 +167,15 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_ALGOS = {"block": 1, "warp": 2}   # kernels/pd_scan.cu: ALGO_BLOCK, ALGO_WARP (a test compares)
-_WARP_MAX_N = 256                   # kernels/pd_scan.cu: WARP_MAX_N (a test compares)
-
-
-def _algo_code(algo, N, bwd):
-    """The forward kernel to launch (1 block, 2 warp), chosen here only: the kernels take the code as given. The
-    backward has one kernel (code ignored)."""
-    if algo != "auto" and algo not in _ALGOS:
-        raise ValueError(f"pd_scan CUDA: algo must be one of ['auto', 'block', 'warp'], got {algo!r}")
-    if algo == "warp" and N > _WARP_MAX_N and not bwd:
-        raise ValueError(f"pd_scan CUDA: the warp forward kernel takes N <= {_WARP_MAX_N}, got N={N}")
-    if algo == "auto":   # the fastest kernel at every shape measured on the H100 and H200 (docs/kernels.md):
-        # the warp kernel up to N = 256 (also for bf16 states of 32-63 entries over many
-        # sequence-steps, where the block kernel had been 1-8% faster), the block kernel above
-        return _ALGOS["block"] if N > _WARP_MAX_N else _ALGOS["warp"]
-    return _ALGOS[algo]
-
-
-@functools.lru_cache(maxsize=None)
-def _warp_slots(ext, layout, bf16, N, sms):
-    """Warps of the warp forward kernel the GPU holds at once: `sms` times what one SM holds (the CUDA occupancy
-    API), asked once per kernel variant rather than on every call. The chunk policy and the launch's one-wave
-    decision (ramp, repair log) both count against it."""
-    return sms * ext.warp_blocks_per_sm(layout, int(bf16), N)
-
-
-_SM90_SMEM = 227 * 1024   # shared memory a block may have on sm_90 (H100, H200)
-
-
-def _default_chunk(ext, layout, bf16, bwd, S, L, N, sms, algo, smem_limit=_SM90_SMEM):
-    """Staged kernels (block forward, backward): the largest chunk <= 16 steps (best measured on H200 at N=128)
-    within a shared-memory budget of 64 KB and >= 4 blocks per SM, not below 4 steps unless over 200 KB; the
-    backward at N <= 64 then doubles up to 2048 / N steps (<= 64) while >= 4 blocks per SM remain, for up to 16
-    sequences (their look-back chains set its pace: 1.06-3.7x faster on the H100) and for real bf16 at any count
-    (2-30% faster; the other forms there lost up to 27%), and at N = 65-128 to 32 steps for up to 8
-    sequences and for real bf16 (up to 51% faster on the H100 and the H200, complex fp32 at 8 x 8,192 within 3%;
-    16 sequences lost up to 15%, and the complex fp32 forms at 100-256 sequences gained 6-16% on the H100 but lost
-    up to 13% on the H200), where the block fits the device's shared memory (`smem_limit`). Warp
-    kernel (one warp per block, shared memory independent of the chunk): about L/32 steps in [8, 128] (fewer,
-    longer chunks shorten the look-back, shorter ones put more warps on an SM); where that is more than one wave
-    of the warps the SMs hold, the shortest chunks of up to 256 steps that make it one (many sequences: one
-    chunk a warp slot, each long enough to keep a repair log), and where none does, the fewest whole waves of
-    chunks that keep a log (<= 512 steps), spread evenly over them (fewer look-backs and replays, no partial last
-    wave; H100 and H200: 7-22% less time at 48-512 sequences of N = 64-256 and in the fp32 forms at N <= 32, 0-7%
-    at others; bf16 at N <= 32, and sequences past the log's cap that fill a wave by themselves, keep ~L/32,
-    which was as fast or faster there); where it leaves fewer than 3.5 warps an SM, halved
-    down to 64 steps while that leaves at most 128 chunks a sequence; doubled up to 256 steps while a sequence
-    has more than 256 (its look-back grows with its chunks: on the H100, 1-2 sequences of L=16384 take 10-16%
-    less time in 128-step chunks than in 64, one of L=65536 11-16% less in 256 than in 128); and
-    raised to 32 steps (a log) while that still leaves 3.5 warps an SM. H100 sweeps over B = 1-2048 sequences
-    and L = 128-65536 (docs/kernels.md) put the best chunk there, or within 10% of it,
-    at every measured shape."""
-    if not bwd and algo == _ALGOS["warp"]:
-        slots = _warp_slots(ext, layout, bool(bf16), N, sms)
-        chunks = lambda t: S * -(-L // t)
-        T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
-        if chunks(T) > slots:
-            fit = [t for t in (16, 32, 64, 128, 256) if t > T and chunks(t) <= slots]
-            if fit:
-                return fit[0]
-            if (bf16 and N <= 32) or (S >= slots and L > _REPAIR_MAX_T):
-                return T
-            per_seq = -(-L // _REPAIR_MAX_T)   # chunks a sequence needs at least
-            waves = -(-per_seq * S // slots)
-            return -(-L // (waves * slots // S))
-        while T > 64 and 2 * chunks(T) < 7 * sms and -(-L // (T // 2)) <= 128:
-            T //= 2
-        while T < 256 and -(-L // T) > 256:
-            T *= 2
-        while T < 32 and 2 * chunks(2 * T) >= 7 * sms:
-            T *= 2
-        return T
-    T = 16
-    while T > 4 and (ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
-        T //= 2
-    while T > 1 and ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 200 * 1024:
-        T //= 2
-    if bwd and N <= 128 and (S <= (16 if N <= 64 else 8) or (layout == _REAL and bf16)):
-        cap = min(64, 2048 // N) if N <= 64 else 32
-        while 2 * T <= cap and S * -(-L // (2 * T)) >= 4 * sms and \
-                ext.smem_bytes(layout, bf16, N, 2 * T, bwd, algo) <= smem_limit:
-            T *= 2
-    return T
-
-
-_REPAIR_MIN_T, _REPAIR_MAX_T = 24, 512   # kernels/pd_scan.cu: REPAIR_MIN_T and REPAIR_MAX_T (a test compares)
-# bf16 replays cost half as much: over many waves (the layer's shapes) a log for chunks under 128 steps is up to
-# 13% slower, while in one wave it is faster (split bf16, B=32, N=128, L=2048: 0.139 -> 0.116 ms on the H100;
-# docs/kernels.md)
-_REPAIR_MIN_T_BF16 = 128
-
-
-def _repair_capacity(code, bwd, bf16, T, N, one_wave=False):
-    """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full); `one_wave`:
-    the launch's chunks all fit on the GPU at once (bf16 chunks are then logged from 24 steps, else from 128).
-    The kernel logs a chunk from the first step kc in 5..32 (at most T - 8) at which its entering state's support
-    has collapsed to <= 32 entries; a chunk whose log fills up falls back to the full replay. Random maps keep
-    ~2N/t entries at step t (kc ~ N/16), ~2N ln(T/kc) in all: T N / 8 leaves ~2x room at T=64 (T N / 16 lost
-    7-10% at L=2048 to fallbacks; an earlier, later kc left the logged share at N = 32-256 as it was). At 12
-    bytes an entry (complex fp32; 20 with bf16 outputs, whose log also keeps y) that is 0.19x the complex
-    outputs' size."""
-    min_t = _REPAIR_MIN_T_BF16 if bf16 and not one_wave else _REPAIR_MIN_T
-    if bwd or code != _ALGOS["warp"] or not min_t <= T <= _REPAIR_MAX_T:
-        return 0
-    return T * N // 8
-
-
-_PROBES = 10   # clock64 probes per chunk of the forward (kernels/pd_scan.cu: PROBES; a test compares)
-
-
-def _link_words(comps):
-    """4-byte words of one chunk's record of the warp forward's look-back links (kernels/pd_scan.cu, link_words:
-    k, 32 positions, 32 link words, then 32 factors and 32 sums of comps floats each; a test compares). Every warp
-    forward gets the buffer; the kernel writes it only where it compiles the links in."""
-    return 68 + 64 * comps
-
-
-_RAMP = 0.1   # the warp forward's chunk-length ramp in one wave (docs/kernels.md)
-
-
-def _chunk_starts_on(L, C, T, r, device):
-    """First step of each of C chunks, and L. r = 0: chunks of T steps. r > 0: lengths growing linearly along the
-    sequence, chunk c's share of L proportional to 1 + r (2 u - 1) at u = (c + 1/2) / C (float64 elementwise ops,
-    each correctly rounded on any device, so a table built on the GPU equals the host's)."""
-    if not r:
-        return torch.clamp(torch.arange(C + 1, dtype=torch.int32, device=device) * T, max=L)
-    u = torch.arange(C + 1, dtype=torch.float64, device=device) / C
-    return torch.round(L * (u + r * (u * u - u))).to(torch.int32)
-
-
-def _chunk_ramp(chunk, C, T, one_wave):
-    """The warp forward's ramp for a launch in C chunks a sequence of (default) T steps; `one_wave`: every chunk
-    of the launch has a warp slot at once.
-    In one wave every chunk runs phase 1 side by side, then all look back and replay at once, the last ones
-    furthest; chunks growing along the sequence let the early ones look back and replay while the later ones still
-    stream (H100, 0.1: split bf16 L=16384 0.645 -> 0.616 ms; docs/kernels.md). Only for default chunks of
-    >= 32 steps in one wave, which all keep a repair log (_repair_capacity): a chunk replayed in full would
-    replay its longer steps too (bf16 chunks of 64 steps without a log, L=2048: 3% slower)."""
-    r = _state.get("ramp", _RAMP)
-    if chunk or T < 32 or C < 2 or not one_wave or T * (1 + r) > _REPAIR_MAX_T:
-        return 0.0
-    return r
-
-
-_CHUNK_TABLES: dict = {}
-
-
-def _chunk_starts(L, C, T, r, device):
-    """The warp forward's chunk table on `device` and its longest chunk. Kept per shape: a copy per call would
-    cost a host round trip at every launch; inside a CUDA-graph capture (no host copies) it is built there."""
-    key = (L, C, T, r, device)
-    hit = _CHUNK_TABLES.get(key)
-    if hit is None:
-        host = _chunk_starts_on(L, C, T, r, "cpu")
-        longest = int((host[1:] - host[:-1]).max())
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return _chunk_starts_on(L, C, T, r, device), longest
-        if len(_CHUNK_TABLES) >= 256:
-            _CHUNK_TABLES.clear()
-        hit = _CHUNK_TABLES[key] = (host.to(device), longest)
-    return hit
-
-
-def _smem_limit(props):
-    """Shared memory a block may ask for on the device of `props` (the opt-in maximum)."""
-    return getattr(props, "shared_memory_per_block_optin", None) or _SM90_SMEM   # where torch lacks it
-
-
 def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
-    code = _algo_code(algo, N, bwd)
+    code = policy.algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
-    sms, limit = props.multi_processor_count, _smem_limit(props)
-    T = int(chunk) if chunk else _default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, limit)
+    sms, limit = props.multi_processor_count, policy.smem_limit(props)
+    T = int(chunk) if chunk else policy.default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, limit)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
-    warp_fwd = not bwd and code == _ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
+    warp_fwd = not bwd and code == policy.ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     if not warp_fwd:   # the staged kernels hold a chunk's rows in shared memory (the warp forward's use is fixed)
         smem = ext.smem_bytes(layout, bf16, N, T, bwd, code)
         if smem > limit:
@@ -351,21 +185,21 @@ def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto")
     comps = 1 if layout == _REAL else 2
     starts, one_wave = None, False
     if warp_fwd:
-        one_wave = S * C <= _warp_slots(ext, layout, bool(bf16), N, sms)
-        ramp = _chunk_ramp(chunk, C, T, one_wave)
-        starts, T = _chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
+        one_wave = S * C <= policy.warp_slots(ext, layout, bool(bf16), N, sms)
+        ramp = policy.chunk_ramp(chunk, C, T, one_wave)
+        starts, T = policy.chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, flags, and (warp forward) link flags
     counter = torch.zeros(1 + (2 if warp_fwd else 1) * S * C, dtype=torch.int32, device=device)
     agg_pi = torch.empty(S * C * N, dtype=torch.int32, device=device)
     agg = torch.empty(3, S * C * N * comps, dtype=torch.float32, device=device)
     prof = None
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
-        prof = torch.zeros(S * C, _PROBES, dtype=torch.int64, device=device)
+        prof = torch.zeros(S * C, policy.PROBES, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
-    rcap = _repair_capacity(code, bwd, bf16, T, N, one_wave)
+    rcap = policy.repair_capacity(code, bwd, bf16, T, N, one_wave)
     words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
-    link = torch.empty(S * C * _link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
+    link = torch.empty(S * C * policy.link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
                       _ptr(link), _ptr(starts)]
