@@ -494,6 +494,67 @@ def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
     assert cmp["counts_equal"] and cmp["max_abs_accuracy_diff"] == 0.0, cmp
 
 
+def test_mixed_precision_flag_then_accelerate_config_then_auto():
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.trainer import resolve_precision
+
+    env = {"ACCELERATE_MIXED_PRECISION": "BF16"}  # what accelerate launch exports from its config or its flag
+    assert resolve_precision(None, False, env)[0] == "bf16"
+    assert resolve_precision("no", True, env) == ("no", "--mixed-precision")  # the flag wins
+    assert resolve_precision(None, True, {}) == ("bf16", "default: auto")
+    assert resolve_precision(None, False, {})[0] == "no"
+    assert resolve_precision("auto", False, env)[0] == "no"
+    with pytest.raises(UsageError, match=r"mixed precision 'fp8' \(ACCELERATE_MIXED_PRECISION\), which this trainer "
+                                         r"does not support; use no, bf16 or fp16"):
+        resolve_precision(None, True, {"ACCELERATE_MIXED_PRECISION": "fp8"})
+
+
+@pytest.mark.slow
+def test_accelerate_config_precision_is_used_recorded_and_a_flag_overrides_it(tmp_path, tiny_host_dir):
+    """No --mixed-precision: the run takes Accelerate's setting (here bf16, as `accelerate config` or `accelerate
+    launch --mixed_precision bf16` export it) and records it in config.json and its checkpoints; a resume whose flag
+    says otherwise runs in the flag's precision, so it is refused as a changed setting."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    env = {**_env(), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    args = [sys.executable, "-m", "llm_surgery.train", *_run_args(tiny_host_dir, out, "--max-steps", "1")]
+    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mixed precision bf16 (from Accelerate's config (ACCELERATE_MIXED_PRECISION))" in proc.stdout
+    assert json.loads((out / "config.json").read_text())["mixed_precision"] == "bf16"
+    [ckpt] = list_checkpoints(out / "checkpoints")
+    assert json.loads((ckpt / "state.json").read_text())["settings"]["mixed_precision"] == "bf16"
+    weights = load_file(out / "final" / "inserted.safetensors")  # float32 master weights: bf16 autocast was on
+    assert {v.dtype for v in weights.values()} <= {torch.float32, torch.complex64}
+    proc = subprocess.run([*args, "--resume", "latest", "--max-steps", "2", "--mixed-precision", "no"], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "mixed_precision: 'bf16' -> 'no'" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
+    """--profile-steps: the last steps' breakdown (data, forward, backward, optimizer, check_and_log, other) adds up
+    to the step time, which is close to the unprofiled steps' time; those steps stay out of the throughput."""
+    from llm_surgery.train import run
+
+    out = tmp_path / "run"
+    res = run(_run_args(tiny_host_dir, out, "--max-steps", "10", "--save-every", "0", "--profile-steps", "3"))
+    prof = json.loads((out / "step_profile.json").read_text())
+    assert prof == json.loads(json.dumps(res["step_profile"])) and prof["steps"] == 3
+    phases = prof["phases_ms"]
+    assert list(phases) == ["data", "forward", "backward", "optimizer", "check_and_log", "other"]
+    assert sum(phases.values()) == pytest.approx(prof["step_ms"])
+    assert min(phases.values()) >= -1e-6 and phases["forward"] > 0 and phases["backward"] > 0
+    assert 0 <= phases["other"] < 0.5 * prof["step_ms"]  # the named phases are most of the step
+    assert all(0 <= prof["issue_ms"][k] <= phases[k] + 1e-6 for k in prof["issue_ms"])
+    assert [e["split"] for e in prof["evaluations"]] == ["validation", "test"]
+    t = res["throughput"]
+    assert t["timed_steps"] == 10 - 2 - 3  # 2 warm-up steps, 3 profiled
+    tokens_per_step = t["tokens_per_s_per_process"] * t["timed_seconds"] / t["timed_steps"]
+    unprofiled_ms = 1e3 * t["timed_seconds"] / t["timed_steps"]
+    assert tokens_per_step > 0 and 0.3 < prof["step_ms"] / unprofiled_ms < 3
+
+
 def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
     """Training and evaluate_run keep exactly the inserted layers in float32 under bf16 autocast (one helper)."""
     from types import SimpleNamespace
@@ -621,12 +682,17 @@ def test_resume_of_a_checkpoint_without_settings_is_refused(tmp_path, accelerato
     from llm_surgery.train.outputs import check_resume
 
     with pytest.raises(CheckpointError, match="records no run settings"):
-        check_resume({"step": 2, "world_size": 1}, TrainConfig(), 1, tmp_path)
-    saved = TrainConfig().resume_settings(1)
-    assert check_resume({"run_id": "abc", "settings": saved}, TrainConfig(log_every=3, output_dir="x"), 1,
+        check_resume({"step": 2, "world_size": 1}, TrainConfig(), 1, "no", tmp_path)
+    saved = TrainConfig().resume_settings(1, "no")
+    assert check_resume({"run_id": "abc", "settings": saved}, TrainConfig(log_every=3, output_dir="x"), 1, "no",
                         tmp_path) == "abc"  # logging and places may change
     with pytest.raises(CheckpointError, match=r"world_size: 1 -> 2"):
-        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 2, tmp_path)
+        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 2, "no", tmp_path)
+    # the precision in effect is what counts, wherever it was set (a flag, or Accelerate's config)
+    with pytest.raises(CheckpointError, match=r"mixed_precision: 'no' -> 'bf16'"):
+        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 1, "bf16", tmp_path)
+    assert check_resume({"run_id": "abc", "settings": TrainConfig(mixed_precision="bf16").resume_settings(1, "bf16")},
+                        TrainConfig(), 1, "bf16", tmp_path) == "abc"
 
 
 def test_lock_refuses_a_second_process_and_takes_over_a_stale_one(tmp_path, tiny_host_dir):
@@ -716,7 +782,14 @@ def test_final_and_results_are_replaced_atomically(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text()) == {"new": 2}
 
 
-def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch):
+@pytest.mark.parametrize("flags, stop, kept", [
+    ([], 3, ["step-00000001", "step-00000002"]),  # checked every step: stops at the bad step itself
+    # checked only at log records and checkpoints (no step waits for the host): the bad step 3 is found at step 4,
+    # and step 4's checkpoint, which would hold its update, is not written
+    (["--log-every", "4", "--save-every", "2"], 4, ["step-00000002"]),
+])
+def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch, flags,
+                                                                        stop, kept):
     from safetensors.torch import load_file
 
     from llm_surgery.train import run, trainer
@@ -729,12 +802,16 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
         return (logits * float("nan") if len(calls) == 3 else logits), labels
     monkeypatch.setattr(trainer, "completion_loss_inputs", poisoned)
     out = tmp_path / "run"
-    with pytest.raises(trainer.TrainingDiverged, match=r"step 3: .* not finite.*step-00000002"):
-        run(_run_args(tiny_host_dir, out, "--max-steps", "4"))
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000001", "step-00000002"]
+    with pytest.raises(trainer.TrainingDiverged, match=rf"step 3: .* not finite; the run stopped at step {stop}.*"
+                                                       r"saved nothing from step 3 on.*step-00000002"):
+        run(_run_args(tiny_host_dir, out, "--max-steps", "6", *flags))
+    assert len(calls) == stop
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == kept
     for ckpt in list_checkpoints(out / "checkpoints"):
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "trainable.safetensors").values())
     assert not (out / "final").exists() and not (out / "results.json").exists()
+    logged = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert max(logged, default=0) < 3  # no record of the bad step or a later one
 
 
 # ---------------------------------------------------------------- bad input: one clear error before work
