@@ -577,24 +577,31 @@ def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
 
 @pytest.mark.slow
 def test_multi_gpu_script_on_cpu(tmp_path):
-    """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, 1- then 2-process launches of the granite3b
-    recipe, every rank's throughput in results.json and metrics.jsonl, one table row per launch."""
+    """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, a 1- and a 2-process launch of the granite3b
+    recipe side by side (--parallel), every rank's throughput in results.json and metrics.jsonl, one table row per
+    launch with its efficiency against the 1-process run at the same batch, and the step-time breakdown."""
     out = tmp_path / "mg"
-    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "6", "--check-eval",
+    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "4", "--check-eval",
+                           "--runs", "ddp:1@2,ddp:2@2", "--parallel", "--gpus", "3", "--profile-steps", "2",
                            "--max-eval-examples", "40", "--out", str(out), "--", "--num-sequences", "20",
                            "--test-max-ops", "8", "--eval-batch-size", "64"],
                           env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "multi_gpu.json").read_text())
-    assert [r["num_processes"] for r in summary["runs"]] == [1, 2]
+    assert [(r["num_processes"], r["batch_size"], r["wave"]) for r in summary["runs"]] == [(1, 2, 1), (2, 2, 1)]
     two = summary["runs"][1]["throughput"]
     assert len(two["tokens_per_s_by_process"]) == 2 and all(v > 0 for v in two["tokens_per_s_by_process"])
     assert two["tokens_per_s_total"] == pytest.approx(sum(two["tokens_per_s_by_process"]))
-    logged = [r["throughput"] for r in read_jsonl(out / "ddp-np2" / "metrics.jsonl") if "throughput" in r]
+    assert two["timed_steps"] == 11 - 2 - 2  # 4 + 5 + 2 steps; a run this short warms up for 2, 2 profiled
+    logged = [r["throughput"] for r in read_jsonl(out / "ddp-np2-b2" / "metrics.jsonl") if "throughput" in r]
     assert logged == [two]
-    rows = [line for line in (out / "multi_gpu.md").read_text().splitlines() if line[:4] in ("| 1 ", "| 2 ")]
-    assert len(rows) == 2 and rows[0].split("|")[5].strip() == "100%"
+    # the precision came from the launcher (as from `accelerate config`), not from a trainer flag
+    assert json.loads((out / "ddp-np2-b2" / "config.json").read_text())["mixed_precision"] == "no"
+    md = (out / "multi_gpu.md").read_text()
+    rows = [line for line in md.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    assert len(rows) == 4 and rows[0].split("|")[6].strip() == "100%"  # 2 throughput rows, 2 breakdown rows
+    assert "step-time breakdown" in md and all(r["step_profile"]["steps"] == 2 for r in summary["runs"])
     # the 2-process run's gathered metrics against this script's one-process evaluation of its saved layers
     [check] = summary["eval_checks"]
     assert check["num_processes"] == 2 and check["counts_equal"] and check["max_abs_accuracy_diff"] < 1e-12
@@ -618,11 +625,17 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
                       f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
     args = mg.parse_args(["--cpu", "--timeout", "15", "--out", str(tmp_path)])
-    assert args.runs == [("ddp", 1), ("ddp", 2)]
-    assert mg.parse_args(["--runs", "fsdp:8,ddp:1"]).runs == [("fsdp", 8), ("ddp", 1)]
-    assert mg.parse_args(["--procs", "2,1"]).runs == [("ddp", 2), ("ddp", 1)]
-    with pytest.raises(SystemExit, match="fsdp:1"):
-        mg.parse_args(["--runs", "fsdp:1"])
+    assert args.runs == [("ddp", 1, None), ("ddp", 2, None)]
+    assert mg.parse_args(["--runs", "fsdp:8,ddp:1@32", "--batch-size", "8"]).runs == [("fsdp", 8, 8), ("ddp", 1, 32)]
+    assert mg.parse_args(["--procs", "2,1"]).runs == [("ddp", 2, None), ("ddp", 1, None)]
+    for bad in ("fsdp:1", "ddp:2@0", "ddp:2@x"):
+        with pytest.raises(SystemExit, match=bad):
+            mg.parse_args(["--runs", bad])
+    # --parallel: consecutive launches that fit share a wave on disjoint devices
+    runs = mg.parse_args(["--runs", "ddp:1@8,ddp:1@32,ddp:2@8,fsdp:2@8,ddp:2@32,ddp:4@8"]).runs
+    assert [[(r[1], d) for r, d in w] for w in mg.waves(runs, 4, True)] == [
+        [(1, [0]), (1, [1]), (2, [2, 3])], [(2, [0, 1]), (2, [2, 3])], [(4, [0, 1, 2, 3])]]
+    assert [len(w) for w in mg.waves(runs, 4, False)] == [1] * 6
     args.recipe = str(script)
     res = mg.launch(args, 1, tmp_path / "host", tmp_path / "np1")
     assert res["rc"] == "timeout"
