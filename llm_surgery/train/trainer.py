@@ -379,6 +379,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
                 cpu = next(batches)
                 span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
                 batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
+                # 0/1 by construction: as bool the surgery skips its value check (a host sync every forward)
+                batch["attention_mask"] = batch["attention_mask"].bool()
             ctx = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
             with ctx:
                 with profile.phase("forward"), accelerator.autocast():
