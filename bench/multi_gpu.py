@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole call: no launch starts that "
                                                                "has less than --min-launch seconds left")
     ap.add_argument("--min-launch", type=float, default=60.0)
+    ap.add_argument("--copy-to", default=None, help="after every wave, copy the summaries and each run's small files "
+                                                    "(results, profile, metrics, logs) here (not the host or weights)")
     ap.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = ap.parse_args(argv)
     if args.procs:
@@ -341,6 +344,8 @@ def main(argv=None) -> dict:
         summary["wall_seconds"] = time.time() - t0
         (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2))
         (out / "multi_gpu.md").write_text(md + "\n")
+        if args.copy_to:
+            copy_small(out, Path(args.copy_to))
         return md
 
     for w, wave in enumerate(waves(args.runs, gpus, args.parallel), 1):
@@ -365,6 +370,20 @@ def main(argv=None) -> dict:
     if any("throughput" not in r for r in summary["runs"]) or bad_eval:
         sys.exit(1)
     return summary
+
+
+SMALL_FILES = ("multi_gpu.md", "multi_gpu.json", "*/results.json", "*/step_profile.json", "*/metrics.jsonl",
+               "*/config.json", "*/launch.log")
+
+
+def copy_small(out: Path, dest: Path) -> None:
+    """The summaries and each run's small files, without the host and the trained weights."""
+    for pattern in SMALL_FILES:
+        for f in out.glob(pattern):
+            if f.parent.name != "host":
+                target = dest / f.relative_to(out)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, target)
 
 
 def _cuda_count() -> int:

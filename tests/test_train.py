@@ -583,7 +583,8 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     out = tmp_path / "mg"
     proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "4", "--check-eval",
                            "--runs", "ddp:1@2,ddp:2@2", "--parallel", "--gpus", "3", "--profile-steps", "2",
-                           "--max-eval-examples", "40", "--out", str(out), "--", "--num-sequences", "20",
+                           "--max-eval-examples", "40", "--out", str(out), "--copy-to", str(tmp_path / "small"),
+                           "--", "--num-sequences", "20",
                            "--test-max-ops", "8", "--eval-batch-size", "64"],
                           env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
@@ -606,6 +607,10 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     [check] = summary["eval_checks"]
     assert check["num_processes"] == 2 and check["counts_equal"] and check["max_abs_accuracy_diff"] < 1e-12
     assert check["num_examples"][0] == check["num_examples"][1] > 0
+    # --copy-to: the summaries and each run's small files, without the host and the weights
+    small = tmp_path / "small"
+    assert (small / "multi_gpu.md").read_text() == md and (small / "ddp-np2-b2" / "step_profile.json").is_file()
+    assert not (small / "host").exists() and not list(small.rglob("*.safetensors"))
 
 
 def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
