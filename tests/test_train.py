@@ -509,6 +509,67 @@ def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
     assert cmp["counts_equal"] and cmp["max_abs_accuracy_diff"] == 0.0, cmp
 
 
+def test_mixed_precision_flag_then_accelerate_config_then_auto():
+    from llm_surgery.train.config import UsageError
+    from llm_surgery.train.trainer import resolve_precision
+
+    env = {"ACCELERATE_MIXED_PRECISION": "BF16"}  # what accelerate launch exports from its config or its flag
+    assert resolve_precision(None, False, env)[0] == "bf16"
+    assert resolve_precision("no", True, env) == ("no", "--mixed-precision")  # the flag wins
+    assert resolve_precision(None, True, {}) == ("bf16", "default: auto")
+    assert resolve_precision(None, False, {})[0] == "no"
+    assert resolve_precision("auto", False, env)[0] == "no"
+    with pytest.raises(UsageError, match=r"mixed precision 'fp8' \(ACCELERATE_MIXED_PRECISION\), which this trainer "
+                                         r"does not support; use no, bf16 or fp16"):
+        resolve_precision(None, True, {"ACCELERATE_MIXED_PRECISION": "fp8"})
+
+
+@pytest.mark.slow
+def test_accelerate_config_precision_is_used_recorded_and_a_flag_overrides_it(tmp_path, tiny_host_dir):
+    """No --mixed-precision: the run takes Accelerate's setting (here bf16, as `accelerate config` or `accelerate
+    launch --mixed_precision bf16` export it) and records it in config.json and its checkpoints; a resume whose flag
+    says otherwise runs in the flag's precision, so it is refused as a changed setting."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    env = {**_env(), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    args = [sys.executable, "-m", "llm_surgery.train", *_run_args(tiny_host_dir, out, "--max-steps", "1")]
+    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mixed precision bf16 (from Accelerate's config (ACCELERATE_MIXED_PRECISION))" in proc.stdout
+    assert json.loads((out / "config.json").read_text())["mixed_precision"] == "bf16"
+    [ckpt] = list_checkpoints(out / "checkpoints")
+    assert json.loads((ckpt / "state.json").read_text())["settings"]["mixed_precision"] == "bf16"
+    weights = load_file(out / "final" / "inserted.safetensors")  # float32 master weights: bf16 autocast was on
+    assert {v.dtype for v in weights.values()} <= {torch.float32, torch.complex64}
+    proc = subprocess.run([*args, "--resume", "latest", "--max-steps", "2", "--mixed-precision", "no"], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "mixed_precision: 'bf16' -> 'no'" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
+    """--profile-steps: the last steps' breakdown (data, forward, backward, optimizer, check_and_log, other) adds up
+    to the step time, which is close to the unprofiled steps' time; those steps stay out of the throughput."""
+    from llm_surgery.train import run
+
+    out = tmp_path / "run"
+    res = run(_run_args(tiny_host_dir, out, "--max-steps", "10", "--save-every", "0", "--profile-steps", "3"))
+    prof = json.loads((out / "step_profile.json").read_text())
+    assert prof == json.loads(json.dumps(res["step_profile"])) and prof["steps"] == 3
+    phases = prof["phases_ms"]
+    assert list(phases) == ["data", "forward", "backward", "optimizer", "check_and_log", "other"]
+    assert sum(phases.values()) == pytest.approx(prof["step_ms"])
+    assert min(phases.values()) >= -1e-6 and phases["forward"] > 0 and phases["backward"] > 0
+    assert 0 <= phases["other"] < 0.5 * prof["step_ms"]  # the named phases are most of the step
+    assert all(0 <= prof["issue_ms"][k] <= phases[k] + 1e-6 for k in prof["issue_ms"])
+    assert [e["split"] for e in prof["evaluations"]] == ["validation", "test"]
+    t = res["throughput"]
+    assert t["timed_steps"] == 10 - 2 - 3  # 2 warm-up steps, 3 profiled
+    tokens_per_step = t["tokens_per_s_per_process"] * t["timed_seconds"] / t["timed_steps"]
+    unprofiled_ms = 1e3 * t["timed_seconds"] / t["timed_steps"]
+    assert tokens_per_step > 0 and 0.3 < prof["step_ms"] / unprofiled_ms < 3
+
+
 def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
     """Training and evaluate_run keep exactly the inserted layers in float32 under bf16 autocast (one helper)."""
     from types import SimpleNamespace
@@ -531,28 +592,40 @@ def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
 
 @pytest.mark.slow
 def test_multi_gpu_script_on_cpu(tmp_path):
-    """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, 1- then 2-process launches of the granite3b
-    recipe, every rank's throughput in results.json and metrics.jsonl, one table row per launch."""
+    """bench/multi_gpu.py's logic with a tiny host and gloo: saved host, a 1- and a 2-process launch of the granite3b
+    recipe side by side (--parallel), every rank's throughput in results.json and metrics.jsonl, one table row per
+    launch with its efficiency against the 1-process run at the same batch, and the step-time breakdown."""
     out = tmp_path / "mg"
-    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "6", "--check-eval",
-                           "--max-eval-examples", "40", "--out", str(out), "--", "--num-sequences", "20",
+    proc = subprocess.run([sys.executable, "bench/multi_gpu.py", "--cpu", "--tiny", "--steps", "4", "--check-eval",
+                           "--runs", "ddp:1@2,ddp:2@2", "--parallel", "--gpus", "3", "--profile-steps", "2",
+                           "--max-eval-examples", "40", "--out", str(out), "--copy-to", str(tmp_path / "small"),
+                           "--", "--num-sequences", "20",
                            "--test-max-ops", "8", "--eval-batch-size", "64"],
                           env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "multi_gpu.json").read_text())
-    assert [r["num_processes"] for r in summary["runs"]] == [1, 2]
+    assert [(r["num_processes"], r["batch_size"], r["wave"]) for r in summary["runs"]] == [(1, 2, 1), (2, 2, 1)]
     two = summary["runs"][1]["throughput"]
     assert len(two["tokens_per_s_by_process"]) == 2 and all(v > 0 for v in two["tokens_per_s_by_process"])
     assert two["tokens_per_s_total"] == pytest.approx(sum(two["tokens_per_s_by_process"]))
-    logged = [r["throughput"] for r in read_jsonl(out / "ddp-np2" / "metrics.jsonl") if "throughput" in r]
+    assert two["timed_steps"] == 11 - 2 - 2  # 4 + 5 + 2 steps; a run this short warms up for 2, 2 profiled
+    logged = [r["throughput"] for r in read_jsonl(out / "ddp-np2-b2" / "metrics.jsonl") if "throughput" in r]
     assert logged == [two]
-    rows = [line for line in (out / "multi_gpu.md").read_text().splitlines() if line[:4] in ("| 1 ", "| 2 ")]
-    assert len(rows) == 2 and rows[0].split("|")[5].strip() == "100%"
+    # the precision came from the launcher (as from `accelerate config`), not from a trainer flag
+    assert json.loads((out / "ddp-np2-b2" / "config.json").read_text())["mixed_precision"] == "no"
+    md = (out / "multi_gpu.md").read_text()
+    rows = [line for line in md.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    assert len(rows) == 4 and rows[0].split("|")[6].strip() == "100%"  # 2 throughput rows, 2 breakdown rows
+    assert "step-time breakdown" in md and all(r["step_profile"]["steps"] == 2 for r in summary["runs"])
     # the 2-process run's gathered metrics against this script's one-process evaluation of its saved layers
     [check] = summary["eval_checks"]
     assert check["num_processes"] == 2 and check["counts_equal"] and check["max_abs_accuracy_diff"] < 1e-12
     assert check["num_examples"][0] == check["num_examples"][1] > 0
+    # --copy-to: the summaries and each run's small files, without the host and the weights
+    small = tmp_path / "small"
+    assert (small / "multi_gpu.md").read_text() == md and (small / "ddp-np2-b2" / "step_profile.json").is_file()
+    assert not (small / "host").exists() and not list(small.rglob("*.safetensors"))
 
 
 def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
@@ -572,11 +645,17 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
                       f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
     args = mg.parse_args(["--cpu", "--timeout", "15", "--out", str(tmp_path)])
-    assert args.runs == [("ddp", 1), ("ddp", 2)]
-    assert mg.parse_args(["--runs", "fsdp:8,ddp:1"]).runs == [("fsdp", 8), ("ddp", 1)]
-    assert mg.parse_args(["--procs", "2,1"]).runs == [("ddp", 2), ("ddp", 1)]
-    with pytest.raises(SystemExit, match="fsdp:1"):
-        mg.parse_args(["--runs", "fsdp:1"])
+    assert args.runs == [("ddp", 1, None), ("ddp", 2, None)]
+    assert mg.parse_args(["--runs", "fsdp:8,ddp:1@32", "--batch-size", "8"]).runs == [("fsdp", 8, 8), ("ddp", 1, 32)]
+    assert mg.parse_args(["--procs", "2,1"]).runs == [("ddp", 2, None), ("ddp", 1, None)]
+    for bad in ("fsdp:1", "ddp:2@0", "ddp:2@x"):
+        with pytest.raises(SystemExit, match=bad):
+            mg.parse_args(["--runs", bad])
+    # --parallel: consecutive launches that fit share a wave on disjoint devices
+    runs = mg.parse_args(["--runs", "ddp:1@8,ddp:1@32,ddp:2@8,fsdp:2@8,ddp:2@32,ddp:4@8"]).runs
+    assert [[(r[1], d) for r, d in w] for w in mg.waves(runs, 4, True)] == [
+        [(1, [0]), (1, [1]), (2, [2, 3])], [(2, [0, 1]), (2, [2, 3])], [(4, [0, 1, 2, 3])]]
+    assert [len(w) for w in mg.waves(runs, 4, False)] == [1] * 6
     args.recipe = str(script)
     res = mg.launch(args, 1, tmp_path / "host", tmp_path / "np1")
     assert res["rc"] == "timeout"
@@ -636,12 +715,17 @@ def test_resume_of_a_checkpoint_without_settings_is_refused(tmp_path, accelerato
     from llm_surgery.train.outputs import check_resume
 
     with pytest.raises(CheckpointError, match="records no run settings"):
-        check_resume({"step": 2, "world_size": 1}, TrainConfig(), 1, tmp_path)
-    saved = TrainConfig().resume_settings(1)
-    assert check_resume({"run_id": "abc", "settings": saved}, TrainConfig(log_every=3, output_dir="x"), 1,
+        check_resume({"step": 2, "world_size": 1}, TrainConfig(), 1, "no", tmp_path)
+    saved = TrainConfig().resume_settings(1, "no")
+    assert check_resume({"run_id": "abc", "settings": saved}, TrainConfig(log_every=3, output_dir="x"), 1, "no",
                         tmp_path) == "abc"  # logging and places may change
     with pytest.raises(CheckpointError, match=r"world_size: 1 -> 2"):
-        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 2, tmp_path)
+        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 2, "no", tmp_path)
+    # the precision in effect is what counts, wherever it was set (a flag, or Accelerate's config)
+    with pytest.raises(CheckpointError, match=r"mixed_precision: 'no' -> 'bf16'"):
+        check_resume({"run_id": "abc", "settings": saved}, TrainConfig(), 1, "bf16", tmp_path)
+    assert check_resume({"run_id": "abc", "settings": TrainConfig(mixed_precision="bf16").resume_settings(1, "bf16")},
+                        TrainConfig(), 1, "bf16", tmp_path) == "abc"
 
 
 def test_lock_refuses_a_second_process_and_takes_over_a_stale_one(tmp_path, tiny_host_dir):
@@ -731,7 +815,14 @@ def test_final_and_results_are_replaced_atomically(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text()) == {"new": 2}
 
 
-def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch):
+@pytest.mark.parametrize("flags, stop, kept", [
+    ([], 3, ["step-00000001", "step-00000002"]),  # checked every step: stops at the bad step itself
+    # checked only at log records and checkpoints (no step waits for the host): the bad step 3 is found at step 4,
+    # and step 4's checkpoint, which would hold its update, is not written
+    (["--log-every", "4", "--save-every", "2"], 4, ["step-00000002"]),
+])
+def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch, flags,
+                                                                        stop, kept):
     from safetensors.torch import load_file
 
     from llm_surgery.train import run, trainer
@@ -744,12 +835,16 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
         return (logits * float("nan") if len(calls) == 3 else logits), labels
     monkeypatch.setattr(trainer, "completion_loss_inputs", poisoned)
     out = tmp_path / "run"
-    with pytest.raises(trainer.TrainingDiverged, match=r"step 3: .* not finite.*step-00000002"):
-        run(_run_args(tiny_host_dir, out, "--max-steps", "4"))
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000001", "step-00000002"]
+    with pytest.raises(trainer.TrainingDiverged, match=rf"step 3: .* not finite; the run stopped at step {stop}.*"
+                                                       r"saved nothing from step 3 on.*step-00000002"):
+        run(_run_args(tiny_host_dir, out, "--max-steps", "6", *flags))
+    assert len(calls) == stop
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == kept
     for ckpt in list_checkpoints(out / "checkpoints"):
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "trainable.safetensors").values())
     assert not (out / "final").exists() and not (out / "results.json").exists()
+    logged = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert max(logged, default=0) < 3  # no record of the bad step or a later one
 
 
 # ---------------------------------------------------------------- bad input: one clear error before work

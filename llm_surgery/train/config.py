@@ -20,7 +20,8 @@ HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # go. Every other field (and the number of processes) must equal the checkpoint's, or `--resume` refuses.
 MAY_CHANGE_ON_RESUME = ("output_dir", "resume", "overwrite", "progress", "tensorboard", "plot", "log_every",
                         "eval_every", "save_every", "keep_last", "eval_batch_size", "cache_dir", "quick_autotune",
-                        "host_kernels", "gradient_checkpointing", "memory_check")
+                        "host_kernels", "gradient_checkpointing", "memory_check", "num_workers", "profile_steps",
+                        "ddp_bucket_mb")
 
 
 class UsageError(ValueError):
@@ -85,10 +86,19 @@ class TrainConfig:
     seed: int = 0
 
     # systems
-    mixed_precision: str = field(default="auto", metadata={"help": f"{', '.join(PRECISIONS)}; auto = bf16 on "
-                                                                   "CUDA, no on CPU"})
+    mixed_precision: str | None = field(default=None, metadata={
+        "help": f"{', '.join(PRECISIONS)} (auto = bf16 on CUDA, no on CPU); default: Accelerate's setting "
+                "(accelerate config / accelerate launch --mixed_precision, i.e. ACCELERATE_MIXED_PRECISION), else "
+                "auto"})
     fsdp: bool = field(default=False, metadata={"help": "shard host and inserted layers with FSDP2"})
     cpu: bool = False
+    num_workers: int = field(default=1, metadata={"help": "DataLoader worker processes that collate the next "
+                                                          "batches while the GPU trains (0 = in the loop)"})
+    ddp_bucket_mb: int = field(default=25, metadata={"help": "DDP gradient bucket size in MiB (all-reduces start "
+                                                             "as buckets fill during the backward)"})
+    profile_steps: int = field(default=0, metadata={
+        "help": "time forward, backward (with its all-reduce wait), optimizer, data and logging over the last N "
+                "steps (synchronising at every phase; left out of the throughput) -> step_profile.json"})
     quick_autotune: bool = field(default=False, metadata={
         "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the leanest config that runs instead of timing all "
                 "(minutes saved on a first call; kernels may be slower)"})
@@ -140,7 +150,7 @@ class TrainConfig:
                 raise UsageError(f"{name} must be a finite number in {span}{hint}, got {v!r}")
         choice("kind", KINDS)
         choice("schedule", SCHEDULES)
-        choice("mixed_precision", PRECISIONS)
+        choice("mixed_precision", (*PRECISIONS, None))
         choice("host_dtype", HOST_DTYPES)
         choice("tiny_host", ("granite", "nemotron"))
         choice("eval_mode", ("teacher_forced", "generate"))
@@ -149,10 +159,11 @@ class TrainConfig:
                              "use eval_mode 'teacher_forced' with --fsdp")
         if self.resume and self.overwrite:
             raise UsageError("--resume continues the run in --output-dir and --overwrite deletes it; pass one")
-        for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last", "num_sequences"):
+        for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last", "num_sequences",
+                     "ddp_bucket_mb"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lora_r", "eval_every", "save_every", "pretrain_steps"):
+        for name in ("lora_r", "eval_every", "save_every", "pretrain_steps", "num_workers", "profile_steps"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_steps", "max_eval_examples"):
@@ -183,12 +194,14 @@ class TrainConfig:
             raise UsageError(f"mixer_options must be a JSON object, got {self.mixer_options!r}")
         return opts
 
-    def resume_settings(self, world_size: int) -> dict:
+    def resume_settings(self, world_size: int, mixed_precision: str) -> dict:
         """What a checkpoint records and a resume must match: every field but MAY_CHANGE_ON_RESUME, the mixer
-        options parsed, and the number of processes (it fixes the data order)."""
+        options parsed, the number of processes (it fixes the data order) and the mixed precision in effect
+        (from the flag or from Accelerate's config)."""
         out = {k: v for k, v in self.to_dict().items() if k not in MAY_CHANGE_ON_RESUME}
         out["mixer_options"] = self.mixer_kwargs()
         out["world_size"] = world_size
+        out["mixed_precision"] = mixed_precision
         return json.loads(json.dumps(out))  # the form it takes in state.json
 
     def to_dict(self) -> dict:

@@ -120,11 +120,12 @@ def print_results(results: dict, title: str | None = None) -> None:
 
 class Throughput:
     """Training tokens/s of this process, leaving out the first `skip` steps (kernel autotuning, warm-up) and
-    the time spent in evaluation and checkpoints. Synchronises CUDA only at those boundaries."""
+    the time spent in evaluation and checkpoints, and everything after `freeze` (profiled steps). Synchronises CUDA
+    only at those boundaries."""
 
     def __init__(self, device, skip: int):
         self.device, self.skip = device, skip
-        self.steps, self.tokens, self.seconds, self._t = 0, 0, 0.0, None
+        self.steps, self.tokens, self.seconds, self._t, self.frozen = 0, 0, 0.0, None, False
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -135,6 +136,8 @@ class Throughput:
         self._t = self._now()
 
     def step_done(self, tokens: int) -> None:
+        if self.frozen:
+            return
         self.steps += 1
         if self.steps <= self.skip:
             if self.steps == self.skip:
@@ -148,7 +151,14 @@ class Throughput:
         self._t = None
 
     def resume(self) -> None:
-        self._t = self._now()
+        if not self.frozen:
+            self._t = self._now()
+
+    def freeze(self) -> None:
+        """Stop counting for good (idempotent)."""
+        if not self.frozen:
+            self.pause()
+            self.frozen = True
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")

@@ -27,8 +27,8 @@ LOCK = ".llm-surgery.lock"
 # a run's outputs: any of these makes a fresh run refuse the directory (config.json alone is a run that never
 # started training, and is replaced)
 RUN_OUTPUTS = ("checkpoints", "final", "results.json", "metrics.jsonl", "tensorboard")
-CLEARED_BY_OVERWRITE = RUN_OUTPUTS + ("config.json", "accuracy.png", ".tmp-final", ".old-final", ".tmp-results.json",
-                                      ".tmp-config.json")
+CLEARED_BY_OVERWRITE = RUN_OUTPUTS + ("config.json", "accuracy.png", "step_profile.json", ".tmp-final", ".old-final",
+                                      ".tmp-results.json", ".tmp-config.json", ".tmp-step_profile.json")
 
 
 def existing_outputs(out_dir: Path) -> list[str]:
@@ -130,8 +130,9 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 # ---------------------------------------------------------------- resume
 
-def check_resume(state: dict, cfg, world_size: int, path: Path) -> str:
-    """A checkpoint continues only the run it came from, with the same settings; returns that run's id."""
+def check_resume(state: dict, cfg, world_size: int, mixed_precision: str, path: Path) -> str:
+    """A checkpoint continues only the run it came from, with the same settings (the mixed precision in effect
+    included, wherever it was set); returns that run's id."""
     from .checkpoint import CheckpointError
     from .config import settings_diff
 
@@ -139,7 +140,7 @@ def check_resume(state: dict, cfg, world_size: int, path: Path) -> str:
     if not isinstance(saved, dict) or not run_id:
         raise CheckpointError(f"checkpoint {path} records no run settings (an older llm-surgery wrote it), so it "
                               "cannot be checked against this run; start a fresh run")
-    diff = settings_diff(saved, cfg.resume_settings(world_size))
+    diff = settings_diff(saved, cfg.resume_settings(world_size, mixed_precision))
     if diff:
         raise CheckpointError(f"--resume {path}: this run's settings differ from the checkpoint's ({'; '.join(diff)}); "
                               "resume with the checkpoint's settings, or start a fresh run in another --output-dir")

@@ -4,8 +4,9 @@ evaluation, resumable checkpoints and logging -> `save_inserted` artifact, resul
 Before any work (`preflight`, on every process; a failure anywhere stops all of them with one message): the
 output directory's lock, a fresh run's refusal of another run's outputs (or `--overwrite`), a resume's settings
 against the checkpoint's, non-empty data splits, the host's source and size. A non-finite loss or gradient norm
-stops the run before that update, so the weights and checkpoints stay finite. `final/` is saved before the
-evaluation, so a failing evaluation loses no training.
+stops the run at the next log record, evaluation or checkpoint with nothing of that step or later saved, so the
+checkpoints and `final/` stay finite (tracked on the device: no step waits for the host). `final/` is saved before
+the evaluation, so a failing evaluation loses no training.
 
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
 launcher changes. The loss is computed on the completion tokens only (left padding puts them at the end of
@@ -32,6 +33,7 @@ from .data import ShardedBatchSampler, TokenizedBox, cap_records, check_splits
 from .evaluate import EvalSet, completion_loss_inputs, completion_span, evaluate
 from .messages import logger
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
+from .profile import StepProfile, profile_table
 from .schedule import build_scheduler, tau_at
 
 class TrainingDiverged(RuntimeError):
@@ -40,15 +42,35 @@ class TrainingDiverged(RuntimeError):
 
 # ---------------------------------------------------------------- setup
 
+def resolve_precision(flag: str | None, on_cuda: bool, env=os.environ) -> tuple[str, str]:
+    """(mixed precision, where it came from): the --mixed-precision flag, else Accelerate's setting (`accelerate
+    config` or `accelerate launch --mixed_precision` reach the process as ACCELERATE_MIXED_PRECISION), else auto;
+    auto is bf16 on CUDA and no on the CPU."""
+    source = "--mixed-precision"
+    if flag is None and env.get("ACCELERATE_MIXED_PRECISION"):
+        flag, source = env["ACCELERATE_MIXED_PRECISION"].lower(), "Accelerate's config (ACCELERATE_MIXED_PRECISION)"
+        if flag not in ("no", "bf16", "fp16"):
+            raise UsageError(f"Accelerate's config sets mixed precision {flag!r} (ACCELERATE_MIXED_PRECISION), which "
+                             "this trainer does not support; use no, bf16 or fp16 (accelerate config, or "
+                             "--mixed-precision)")
+    elif flag is None:
+        flag, source = "auto", "default"
+    if flag == "auto":
+        return ("bf16" if on_cuda else "no"), f"{source}: auto"
+    return flag, source
+
+
 def make_accelerator(cfg: TrainConfig):
+    """The run's Accelerator. DDP: only the trainable tensors are in its buckets (frozen ones have requires_grad
+    False); gradients are views of the buckets (no copy in and out); buffers are not broadcast before every
+    forward (the host's and the inserted layers' buffers are the same on every rank); a static graph when every
+    step runs the same graph with one backward."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     on_cuda = torch.cuda.is_available() and not cfg.cpu and os.environ.get("ACCELERATE_USE_CPU", "").lower() \
         not in ("1", "true", "yes")
-    precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if on_cuda else "no"
+    precision, source = resolve_precision(cfg.mixed_precision, on_cuda)
     kwargs = dict(cpu=cfg.cpu or not on_cuda, mixed_precision=precision)
     if cfg.fsdp:
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -57,8 +79,11 @@ def make_accelerator(cfg: TrainConfig):
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)
     else:
-        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=False)]
+        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(
+            find_unused_parameters=False, gradient_as_bucket_view=True, broadcast_buffers=False,
+            bucket_cap_mb=cfg.ddp_bucket_mb, static_graph=cfg.grad_accum == 1 and not cfg.gradient_checkpointing)]
     accelerator = Accelerator(**kwargs)
+    accelerator.precision_source = source
     if cfg.fsdp and accelerator.distributed_type.value != "FSDP":
         raise UsageError(f"--fsdp needs 2 or more GPU processes (Accelerate shards only on accelerators); this "
                          f"launch gives {accelerator.num_processes} process(es) of type "
@@ -136,14 +161,18 @@ def upcast_trainable(model, accelerator) -> None:
 
 
 def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps)
+    """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars).
+    Real tensors take the fused kernel (one launch for all of them instead of a few per tensor group); complex
+    ones, which it does not take, the multi-tensor one."""
+    groups = []
+    for decay in (True, False):
+        for complex_ in (False, True):
+            params = [p for p in model.parameters()
+                      if p.requires_grad and (p.dim() >= 2) == decay and p.is_complex() == complex_]
+            if params:
+                groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
+                               **({"foreach": True} if complex_ else {"fused": True})})
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 # ---------------------------------------------------------------- checks before work
@@ -158,7 +187,7 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
     found = {"resume_path": None, "run_id": None}
     if cfg.resume:
         path = resolve_checkpoint(cfg.resume, ckpt_root)
-        run_id = check_resume(read_state(path), cfg, world, path)
+        run_id = check_resume(read_state(path), cfg, world, accelerator.mixed_precision, path)
         others = sorted({str(checkpoint_run_id(p)) for p in list_checkpoints(ckpt_root)} - {run_id})
         if others:
             raise CheckpointError(f"{ckpt_root} holds checkpoints of other runs ({', '.join(others)}) than the one "
@@ -234,7 +263,9 @@ def train(cfg: TrainConfig) -> dict:
     run = preflight(cfg, accelerator, log)
     try:
         if main:
-            write_json(Path(cfg.output_dir) / "config.json", cfg.to_dict())  # after the checks: never a wrong one
+            # after the checks: never a wrong one; with the mixed precision in effect (flag or Accelerate's config)
+            write_json(Path(cfg.output_dir) / "config.json",
+                       {**cfg.to_dict(), "mixed_precision": accelerator.mixed_precision})
         return _train(cfg, accelerator, run, log)
     finally:
         if main:
@@ -255,7 +286,8 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     ckpt_root = out_dir / "checkpoints"
     resume_path, splits = run["resume_path"], run["splits"]
     log(f"llm-surgery train: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision} (from "
+        f"{getattr(accelerator, 'precision_source', 'the launcher')})")
 
     # host, surgery, LoRA
     set_seed(cfg.seed)
@@ -315,7 +347,11 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
             truncate_after(out_dir / "metrics.jsonl", start_step)
         metrics = MetricsLog(out_dir, tensorboard=cfg.tensorboard, append=resume_path is not None)
     sampler.set_position(start_step * cfg.grad_accum)
-    batches = iter(torch.utils.data.DataLoader(train_data, batch_sampler=sampler, collate_fn=collate))
+    # workers collate the next batches while the device trains (the sampler, which fixes the order, runs here);
+    # pinned host memory lets the copies below run asynchronously
+    loader = torch.utils.data.DataLoader(train_data, batch_sampler=sampler, collate_fn=collate,
+                                         num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+    batches = iter(loader)
 
     bar = None
     if main and cfg.progress:
@@ -326,66 +362,85 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     if accelerator.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     meter = Throughput(accelerator.device, skip=min(5, (total_steps - start_step) // 5))
+    profile = StepProfile(accelerator.device, max(start_step + meter.skip, total_steps - cfg.profile_steps),
+                          cfg.profile_steps)
+    health = Divergence(accelerator, start_step, check_grad_norm=accelerator.mixed_precision != "fp16")
     meter.start()
     window_t, window_tokens = time.perf_counter(), 0
     for step in range(start_step, total_steps):
+        if profile.begin_step(step):
+            meter.freeze()  # synchronised steps are not throughput
         tau = None if cfg.tau_end is None else tau_at(step, total_steps, cfg.tau, cfg.tau_end)
         if tau is not None:  # a function of the step: a resumed run continues the same schedule
             set_tau(accelerator.unwrap_model(model), tau)
         loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
         for micro in range(cfg.grad_accum):
-            cpu = next(batches)
-            span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
+            with profile.phase("data"):
+                cpu = next(batches)
+                span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
+                batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
+                # 0/1 by construction: as bool the surgery skips its value check (a host sync every forward)
+                batch["attention_mask"] = batch["attention_mask"].bool()
             ctx = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
             with ctx:
-                with accelerator.autocast():
+                with profile.phase("forward"), accelerator.autocast():
                     logits, labels = completion_loss_inputs(model, batch, span)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                           ignore_index=-100)
-                accelerator.backward(loss / cfg.grad_accum)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+                with profile.phase("backward"):
+                    accelerator.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach() / cfg.grad_accum
             step_tokens += n_tok
             window_tokens += n_tok
         done = step + 1
-        grad_norm = accelerator.clip_grad_norm_(params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
-        loss_total = _check_finite(accelerator, loss_sum, grad_norm, done, ckpt_root, run["run_id"])
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        with profile.phase("optimizer"):
+            grad_norm = accelerator.clip_grad_norm_(params, math.inf if cfg.max_grad_norm is None
+                                                    else cfg.max_grad_norm)
+            health.record(loss_sum, grad_norm)  # on the device: no wait here
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         meter.step_done(step_tokens)
-        if done % cfg.log_every == 0 or done == total_steps:
-            loss_mean = (loss_total / accelerator.num_processes).item()
-            now = time.perf_counter()
-            tok_s = window_tokens / max(now - window_t, 1e-9)
-            window_t, window_tokens = now, 0
-            record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
-                      "grad_norm": float(grad_norm), "tokens_per_s_per_process": tok_s,
-                      "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
-                      **({"tau": tau} if tau is not None else {})}
-            if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
-                record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-            if main:
-                metrics.log(record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{tok_s * accelerator.num_processes:,.0f}")
+        logging = done % cfg.log_every == 0 or done == total_steps
+        evaluating = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != total_steps
+        saving = bool(cfg.save_every) and done % cfg.save_every == 0
+        if logging or evaluating or saving:  # the host looks at the device's numbers only here
+            with profile.phase("check_and_log"):
+                loss_mean = health.check(done, ckpt_root, run["run_id"])
+                if logging:
+                    now = time.perf_counter()
+                    tok_s = window_tokens / max(now - window_t, 1e-9)
+                    window_t, window_tokens = now, 0
+                    record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
+                              "grad_norm": float(_full(grad_norm)), "tokens_per_s_per_process": tok_s,
+                              "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
+                              **({"tau": tau} if tau is not None else {})}
+                    if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
+                        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+                    if main:
+                        metrics.log(record)
+                        if bar is not None:
+                            bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{tok_s * accelerator.num_processes:,.0f}")
         if bar is not None:
             bar.update(1)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
+        profile.end_step()
+        if evaluating:
             meter.pause()
-            val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
+            with profile.evaluation("validation"):
+                val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
             if main:
                 metrics.log({"step": done, "val_accuracy": val["accuracy"]})
             meter.resume()
-        if cfg.save_every and done % cfg.save_every == 0:
+        if saving:
             meter.pause()
             position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
             save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
                             extra={"kind": cfg.kind, "total_steps": total_steps, "run_id": run["run_id"],
-                                   "settings": cfg.resume_settings(accelerator.num_processes),
+                                   "settings": cfg.resume_settings(accelerator.num_processes,
+                                                                   accelerator.mixed_precision),
                                    "host_alone": host_alone})
             meter.resume()
     meter.pause()
+    del batches  # stops the loader's workers
     if bar is not None:
         bar.close()
 
@@ -411,16 +466,22 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
             if throughput["peak_memory_gib"] is not None else ""))
     final_dir = out_dir / "final"
     save_final(accelerator, model, final_dir, cfg)  # before the evaluation: a failing one loses no training
-    val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
-    test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
+    with profile.evaluation("validation"):
+        val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
+    with profile.evaluation("test"):
+        test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
     results = {"kind": cfg.kind, "n": cfg.n, "host": host_desc, "steps": total_steps,
                "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
                "throughput": throughput, "num_processes": accelerator.num_processes,
                "distributed_type": accelerator.distributed_type.value,
                "run_id": run["run_id"], "validation": val, "test": test, "host_alone": host_alone,
-               "config": cfg.to_dict()}
+               "step_profile": profile.result(),
+               "config": {**cfg.to_dict(), "mixed_precision": accelerator.mixed_precision}}
     if main:
         write_json(out_dir / "results.json", results)
+        if results["step_profile"] is not None:
+            write_json(out_dir / "step_profile.json", results["step_profile"])
+            log(profile_table(results["step_profile"]))
         metrics.log({"step": total_steps, "throughput": throughput})
         metrics.log({"step": total_steps, "val_accuracy": val["accuracy"], "test_iid_accuracy": test["iid"]["accuracy"],
                      "test_ood_accuracy": test["ood"]["accuracy"]})
@@ -439,25 +500,48 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     return results
 
 
-def _check_finite(accelerator, loss_sum: torch.Tensor, grad_norm, step: int, ckpt_root: Path,
-                  run_id: str) -> torch.Tensor:
-    """Stop before an update whose loss or gradient norm is not finite on any process (one sync per step). Under
-    fp16 mixed precision the gradient scaler skips non-finite gradients itself, so only the loss is checked.
-    Returns the loss summed over the processes (the step's log reuses it instead of reducing again)."""
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-    health = torch.stack([loss_sum.float(), torch.as_tensor(grad_norm, dtype=torch.float32, device=loss_sum.device)])
-    if accelerator.mixed_precision == "fp16":
-        health = health[:1]
-    if accelerator.num_processes > 1:
-        health = accelerator.reduce(health, "sum")  # NaN or inf anywhere stays NaN or inf
-    if bool(torch.isfinite(health).all()):
-        return health[0]
-    mine = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
-    last = f"the last good checkpoint is {mine[-1]}" if mine else "no checkpoint was saved (--save-every)"
-    raise TrainingDiverged(f"step {step}: the loss ({float(loss_sum):.4g} on this process) or the gradient norm "
-                           f"({float(grad_norm):.4g}) is not finite; stopped before this update, so no weights of "
-                           f"it were saved; {last}. Lower --lr, clip with --max-grad-norm, or use --host-dtype "
-                           "float32, in a fresh run")
+def _full(t):
+    """FSDP2 returns the gradient norm as a DTensor: its value, on every process."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Divergence:
+    """The first step whose loss (on any process) or gradient norm is not finite, tracked on the device so that no
+    step waits for the host. `check`, called wherever the host reads the run (a log record, before an evaluation
+    or a checkpoint, the last step), raises TrainingDiverged on every process if such a step happened. The steps
+    after it still run on the device until that check, but nothing of them is logged, evaluated or saved: every
+    checkpoint and `final/` hold weights from before that step. Under fp16 the gradient scaler skips updates with
+    non-finite gradients itself, so only the loss is checked there."""
+
+    def __init__(self, accelerator, start_step: int, check_grad_norm: bool):
+        self.accelerator, self.check_grad_norm = accelerator, check_grad_norm
+        dev = accelerator.device
+        self.step = torch.full((), start_step, dtype=torch.float32, device=dev)  # steps done, counted on the device
+        self.first = torch.zeros(3, dtype=torch.float32, device=dev)  # (step, loss, grad norm); step 0 = none yet
+        self.loss = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def record(self, loss_sum: torch.Tensor, grad_norm) -> None:
+        self.step += 1
+        self.loss = loss_sum.detach().float()
+        health = torch.stack([self.loss, torch.as_tensor(_full(grad_norm), device=self.loss.device).float()])
+        bad = ~torch.isfinite(health if self.check_grad_norm else health[:1]).all()
+        self.first = torch.where(bad & (self.first[0] == 0), torch.cat([self.step.view(1), health]), self.first)
+
+    def check(self, step: int, ckpt_root: Path, run_id: str) -> float:
+        """The last step's loss averaged over the processes, or TrainingDiverged (one gather)."""
+        acc = self.accelerator
+        mine = torch.cat([self.loss.view(1), self.first])
+        every = (acc.gather(mine) if acc.num_processes > 1 else mine).view(-1, 4).cpu()
+        bad = every[every[:, 1] > 0]
+        if not len(bad):
+            return float(every[:, 0].mean())
+        first, loss, grad_norm = bad[bad[:, 1].argmin(), 1:].tolist()
+        mine = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
+        last = f"the last good checkpoint is {mine[-1]}" if mine else "no checkpoint was saved (--save-every)"
+        raise TrainingDiverged(
+            f"step {int(first)}: the loss ({loss:.4g} on a process) or the gradient norm ({grad_norm:.4g}) is not "
+            f"finite; the run stopped at step {step}, the next check, and saved nothing from step {int(first)} on; "
+            f"{last}. Lower --lr, clip with --max-grad-norm, or use --host-dtype float32, in a fresh run")
 
 
 def _position(sampler: ShardedBatchSampler, micro_batches: int) -> dict:
