@@ -321,7 +321,10 @@ def main(argv=None) -> dict:
         print(prebuild_kernels(), flush=True)
     unit = "process" if args.cpu else "GPU"
     gpus = args.gpus or (1 if args.cpu else _cuda_count())
-    summary = {"args": {**vars(args), "runs": [f"{m}:{n}@{b}" for m, n, b in args.runs]}, "host": host, "runs": []}
+    from importlib.metadata import version
+
+    summary = {"args": {**vars(args), "runs": [f"{m}:{n}@{b}" for m, n, b in args.runs]}, "host": host, "runs": [],
+               "versions": {p: version(p) for p in ("torch", "transformers", "accelerate")}}
 
     def write() -> str:
         md = (f"{args.recipe} on a random-weight {host['host']} host ({host['params'] / 1e6:,.1f} M params), "
