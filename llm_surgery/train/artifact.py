@@ -47,9 +47,19 @@ def save_final(accelerator, model, final_dir: Path, cfg) -> None:
     accelerator.wait_for_everyone()
 
 
+def lora_config(r: int, alpha: float, dropout: float, targets: list[str]):
+    """peft LoRA on the host's modules named `targets`, never inside the inserted layers (`pre_ssm`): DeltaNet's
+    projections carry the attention names (q/k/v/o_proj), and a mixer runs its library layer on its own
+    parameters, which a LoRA wrapper would rename."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                      exclude_modules=r".*\.pre_ssm\..*")
+
+
 def load_trained(model, final_dir: str | Path):
     """Put a run's trained layers (and LoRA adapters, if saved) into a fresh host; returns the model."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
     from llm_surgery.insert import load_inserted
 
@@ -58,8 +68,7 @@ def load_trained(model, final_dir: str | Path):
     if (final_dir / LORA_CONFIG).is_file():
         spec = json.loads((final_dir / LORA_CONFIG).read_text())
         targets = [t.strip() for t in spec["targets"].split(",") if t.strip()]
-        inject_adapter_in_model(LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                                           target_modules=targets), model)
+        inject_adapter_in_model(lora_config(spec["r"], spec["alpha"], spec["dropout"], targets), model)
         weights = load_file(str(final_dir / LORA_WEIGHTS))
         missing = set(weights) - set(model.state_dict())
         if missing:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .artifact import save_final
+from .artifact import lora_config, save_final
 from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
                          resolve_checkpoint, save_checkpoint)
 from .config import TrainConfig, UsageError
@@ -100,11 +100,10 @@ def load_host(cfg: TrainConfig, accelerator, log):
 
 def add_lora(model, cfg: TrainConfig):
     """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets)
+    lcfg = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets)
     inject_adapter_in_model(lcfg, model)
     if not any("lora_" in n for n, _ in model.named_parameters()):
         raise UsageError(f"--lora-targets {targets} matched no module of this host")
