@@ -333,11 +333,10 @@ def test_mamba_kernel_import_uses_bare_package_and_cleans_up(tmp_path, monkeypat
     (pkg / "modules" / "__init__.py").write_text("")
     (pkg / "modules" / "mamba2.py").write_text("class Mamba2:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    kernels = mamba2_mod._import_mamba_kernels()
-    assert kernels is not None and kernels[0]() == "chunk" and kernels[1]() == "step"
-    assert not any(n == "mamba_ssm" or n.startswith("mamba_ssm.") for n in sys.modules)
-    cls, fused = mamba2_mod._import_mamba_module()  # no causal-conv1d functions: not the fused path
-    assert cls.__name__ == "Mamba2" and fused is False
+    found = mamba2_mod._import_mamba()
+    kernels, (cls, fused) = found["kernels"], found["module"]
+    assert kernels[0]() == "chunk" and kernels[1]() == "step"
+    assert cls.__name__ == "Mamba2" and fused is False  # no causal-conv1d functions: not the fused path
     assert not any(n == "mamba_ssm" or n.startswith("mamba_ssm.") for n in sys.modules)
     with pytest.raises(ImportError):
         __import__("mamba_ssm")

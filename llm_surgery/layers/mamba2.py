@@ -52,7 +52,7 @@ def _import_all(names):
         try:
             return [importlib.import_module(n) for n in names]
         except Exception as exc:  # noqa: BLE001 - any failure means "not available"
-            warnings.warn(f"mamba_ssm {names[-1]} unavailable ({exc!r}); using the torch path")
+            warnings.warn(f"mamba_ssm unavailable ({exc!r}); using the torch path")
             return None
         finally:  # also drops what the failed full-package import left behind
             for name in set(sys.modules) - before:
@@ -60,33 +60,34 @@ def _import_all(names):
                     del sys.modules[name]
 
 
-def _import_mamba_kernels():
-    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm's Triton kernels, or None."""
-    mods = _import_all(("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.selective_state_update"))
-    return None if mods is None else (mods[0].mamba_chunk_scan_combined, mods[1].selective_state_update)
-
-
-def _import_mamba_module():
-    """(mamba-ssm's `Mamba2` class, whether its fused training path can run: it needs causal-conv1d), or None."""
-    mods = _import_all(("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.modules.mamba2"))
+def _import_mamba():
+    """mamba-ssm's Triton kernels and its `Mamba2` module, imported once (one copy of each kernel, autotuned once):
+    {"kernels": (mamba_chunk_scan_combined, selective_state_update), "module": (Mamba2, fused path usable)}, or None.
+    The fused training path needs causal-conv1d's compiled functions."""
+    mods = _import_all(("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.selective_state_update",
+                        "mamba_ssm.modules.mamba2"))
     if mods is None:
         return None
-    return mods[1].Mamba2, getattr(mods[0], "causal_conv1d_fwd_function", None) is not None
+    fused = getattr(mods[0], "causal_conv1d_fwd_function", None) is not None
+    return {"kernels": (mods[0].mamba_chunk_scan_combined, mods[1].selective_state_update),
+            "module": (mods[2].Mamba2, fused)}
+
+
+def _mamba(part: str):
+    if "mamba" not in _KERNELS:
+        _KERNELS["mamba"] = _import_mamba()
+    return None if _KERNELS["mamba"] is None else _KERNELS["mamba"][part]
 
 
 def mamba_kernels():
     """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or None; cached.
     Call only when CUDA is in use: importing Triton kernels on a CPU-only machine is pointless."""
-    if "mamba" not in _KERNELS:
-        _KERNELS["mamba"] = _import_mamba_kernels()
-    return _KERNELS["mamba"]
+    return _mamba("kernels")
 
 
 def mamba_module():
     """(mamba_ssm.modules.mamba2.Mamba2, fused path usable), or None; cached. CUDA only, like `mamba_kernels`."""
-    if "module" not in _KERNELS:
-        _KERNELS["module"] = _import_mamba_module()
-    return _KERNELS["module"]
+    return _mamba("module")
 
 
 def ssd_scan_torch(x, dt, A, B, C, h0=None, chunk_size=64):
