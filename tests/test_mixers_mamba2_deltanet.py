@@ -357,7 +357,9 @@ def test_missing_libraries_give_none(monkeypatch):
 
 # ---- CUDA: the libraries' layers against the torch path on the same weights -----------------------------------
 def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """Relative error of a against b, on the CPU (the two may live on different devices)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def _cuda_mixer(kind, dtype, width=256):
