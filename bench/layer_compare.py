@@ -10,7 +10,10 @@ Layers (--kinds; all built in bf16, train mode, parameter-matched through the li
   mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
                   (mamba_split_conv1d_scan_combined) when causal-conv1d is importable, else use_mem_eff_path=False
                   (nn.Conv1d + the Triton chunk scan); the label says which
-  block-mamba2 / block-deltanet   this project's own blocks around the library scans (layers/registry.py)
+  lib-mamba2 / lib-deltanet   mamba-ssm's Mamba2 / fla's DeltaNet alone, at the shapes the registry gives the
+                  project's kinds (`library_options()` of the mixer: the same layer the kind runs on CUDA)
+  block-mamba2 / block-deltanet   the project's kinds `mamba2` / `deltanet` (layers/registry.py), which run those
+                  library layers on their own parameters: compare with lib-*
 Time: median of CUDA-event timings after warm-up (the first calls compile and run the Triton autotuners in full
 unless --quick-autotune). Peak: max_memory_allocated during one step minus what was allocated before it
 (weights + input). One step: out = layer(x); out.backward(g) with a fixed random g.
@@ -73,6 +76,21 @@ def build(kind: str, width: int):
         layer = m2.Mamba2(d_model=width, d_state=128, headdim=64, expand=2, use_mem_eff_path=fused)
         label = ("mamba_ssm Mamba2 fused (causal-conv1d)" if fused
                  else "mamba_ssm Mamba2 unfused (no causal-conv1d: nn.Conv1d + Triton scan)")
+    elif kind in ("lib-mamba2", "lib-deltanet"):
+        from llm_surgery.layers.registry import build_mixer
+        with torch.device("meta"):
+            options = build_mixer(kind[4:], width).library_options()
+        if kind == "lib-mamba2":
+            m2 = import_mamba2()
+            from mamba_ssm.ops.triton import ssd_combined
+            fused = ssd_combined.causal_conv1d_fwd_function is not None
+            layer = m2.Mamba2(**options, use_mem_eff_path=fused)
+            label = f"mamba_ssm Mamba2 {'fused' if fused else 'unfused'} (ngroups={options['ngroups']})"
+        else:
+            from fla.layers import DeltaNet
+            layer = DeltaNet(**options)
+            label = (f"fla DeltaNet(heads={options['num_heads']}, expand_k={options['expand_k']:.4g}, "
+                     f"gate={options['use_gate']})")
     elif kind.startswith("block-"):
         from llm_surgery.layers.registry import build_mixer
         layer = build_mixer(kind[6:], width, backend="kernel")
@@ -124,7 +142,12 @@ def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
             layer.eval()
             _, state = layer(x, return_state=True)
             return median_ms(lambda: layer.step(tok, state), iters, warmup=3)
-        if kind == "fla-deltanet":
+        if kind.startswith("block-"):
+            layer.eval()
+            _, state = layer(x, return_state=True)
+            t1 = tok.unsqueeze(1)
+            return median_ms(lambda: layer(t1, state=state, return_state=True), iters, warmup=3)
+        if kind in ("fla-deltanet", "lib-deltanet"):
             from fla.models.utils import Cache
             layer.eval()
             layer.layer_idx = 0
@@ -135,7 +158,7 @@ def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
             def one():  # the cache grows nothing for DeltaNet: each call overwrites the layer's states
                 layer(t1, past_key_values=cache, use_cache=True)
             return median_ms(one, iters, warmup=3)
-        if kind == "mamba2":
+        if kind in ("mamba2", "lib-mamba2"):
             layer.eval()
             conv, ssm = layer.allocate_inference_cache(batch, 1, dtype=torch.bfloat16)
             return median_ms(lambda: layer.step(tok.unsqueeze(1), conv, ssm), iters, warmup=3)

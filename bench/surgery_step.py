@@ -7,8 +7,10 @@ For each kind this
   2. builds a smaller real-width host in float32 on the CPU (default granite-4.0-h-350m cut to 14 layers: 2
      attention blocks), inserts layers with non-zero out_proj, and compares its logits with the same weights moved
      to the GPU (relative error).
-The host's own Mamba layers run transformers' PyTorch path (no causal-conv1d here); the inserted layers use their
-GPU kernels (mamba-ssm / fla Triton, our pd_scan CUDA) where available.
+The host's own Mamba layers run on mamba-ssm's Triton kernels as in training (`host_kernels`, the trainer's
+`--host-kernels`; `--no-host-kernels`: transformers' PyTorch path, which at 1 x 2048 tokens of granite-4.0-h-micro
+needs more than an H100's 80 GB under transformers 5.17); the inserted layers run their GPU paths (mamba-ssm's and
+fla's layers, our pd_scan CUDA) where available.
 
     PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
     python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
@@ -115,6 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--check-layers", type=int, default=14)
     ap.add_argument("--check-seq", type=int, default=128)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--no-host-kernels", action="store_true",
+                    help="leave the host's Mamba2 layers on transformers' PyTorch path")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
@@ -124,6 +128,9 @@ def main(argv=None) -> None:
         print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
         if importlib.util.find_spec("triton"):
             quick_autotune()
+        if not args.no_host_kernels:
+            from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
+            print(use_mamba_kernels_for_hosts())
     import transformers
     print("transformers", transformers.__version__)
 

@@ -107,3 +107,18 @@ def test_attention_mask_must_be_bool_or_zero_one(kind):
     for bad, shown in ((ok * 2, "2"), (ok * 0.5, "0.5"), (-ok, "-1")):
         with pytest.raises(ValueError, match=rf"attention_mask must hold only 0 \(padding\) and 1 .* found {shown}"):
             m(x, attention_mask=bad)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_defaults_map_onto_the_library_layers(width):
+    """The default shapes are ones mamba-ssm's Mamba2 (expand 2, head_dim 64, state 128; the B/C groups match the
+    count) and fla's DeltaNet can hold, so on CUDA the library layers run them."""
+    with torch.device("meta"):
+        m = build_mixer("mamba2", width)
+        d = build_mixer("deltanet", width)
+    opts = m.library_options()
+    assert opts is not None and (opts["expand"], opts["headdim"], opts["d_state"]) == (2, 64, 128)
+    assert m.num_heads % m.n_groups == 0
+    fla = d.library_options()
+    assert round(fla["expand_k"] * width) == d.key_dim and round(fla["expand_v"] * width) == d.value_dim
+    assert d.key_dim // fla["num_heads"] == d.head_k_dim

@@ -459,12 +459,13 @@ def test_lora_trains_and_round_trips(tmp_path, tiny_host_dir, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "lora"
-    res = run(["--model", str(tiny_host_dir), "--kind", "mamba2", "--lora-r", "4", "--max-steps", "3",
+    res = run(["--model", str(tiny_host_dir), "--kind", "deltanet", "--lora-r", "4", "--max-steps", "3",
                "--lr", "1e-2", "--grad-accum", "2", "--output-dir", str(out), *SMALL])
     assert read_jsonl(out / "metrics.jsonl")[2]["epoch"] == pytest.approx(6 / (588 // 4))  # 2 micro-batches a step
     assert res["params"]["trainable"] > res["params"]["inserted"]  # LoRA weights train too
     saved = load_file(out / "final" / "lora" / "adapter_model.safetensors")
     assert saved and all("lora_" in k and k.startswith("base_model.model.") for k in saved)
+    assert not any(".pre_ssm." in k for k in saved)  # DeltaNet's q/k/v/o_proj share the names but get no LoRA
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # B starts at zero: it trained
     host = load_trained(AutoModelForCausalLM.from_pretrained(tiny_host_dir), out / "final")
     state = host.state_dict()

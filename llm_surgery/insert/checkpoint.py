@@ -121,6 +121,9 @@ def _load_weights(blocks: dict[int, torch.nn.Module], tensors: dict[str, torch.T
         prefix = f"layers.{idx}."
         sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         used.update(prefix + k for k in sub)
+        upgrade = getattr(block.mixer, "upgrade_state_dict", None)  # a mixer whose parameter names changed
+        if upgrade is not None:
+            sub = upgrade(sub, "mixer.")
         expected = block.state_dict()
         missing, unexpected = sorted(set(expected) - set(sub)), sorted(set(sub) - set(expected))
         bad_shape = [k for k in set(sub) & set(expected) if sub[k].shape != expected[k].shape]

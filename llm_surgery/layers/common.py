@@ -93,6 +93,38 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.silu(y), state
 
 
+def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
+    """True without a mask or when every row is tokens then padding: a causal layer then needs no mask, since no
+    token sees a later (padded) position. Costs one host sync."""
+    if attention_mask is None:
+        return True
+    m = attention_mask.bool()
+    return not bool((m[:, 1:] & ~m[:, :-1]).any())
+
+
+def bind_parameters(library: nn.Module, owner: nn.Module) -> list:
+    """Make `library` (a library's layer built on the meta device, not a submodule of `owner`) run on `owner`'s
+    parameters: the same Parameter objects, matched by name, so one state dict, one optimizer state and one device
+    move serve both. Returns the bindings for `rebind`; ValueError when the two do not have the same parameters."""
+    own, lib = dict(owner.named_parameters()), dict(library.named_parameters())
+    bad = sorted(n for n in set(own) | set(lib) if n not in own or n not in lib or own[n].shape != lib[n].shape)
+    if bad:
+        raise ValueError(f"{type(library).__name__} and {type(owner).__name__} differ in parameters {bad[:4]}")
+    binds = []
+    for name in lib:
+        path, _, leaf = name.rpartition(".")
+        binds.append((library.get_submodule(path), leaf, owner.get_submodule(path)))
+    rebind(binds)
+    return binds
+
+
+def rebind(binds: list) -> None:
+    """Point the library layer at the owner's current parameters (run before each call: cheap, and it follows
+    parameters that were replaced since, e.g. by `load_state_dict(assign=True)`)."""
+    for lib_module, leaf, own_module in binds:
+        lib_module._parameters[leaf] = own_module._parameters[leaf]
+
+
 def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero the positions that are padding ([B, L] mask, 1 = token) so they cannot write into the state."""
     if attention_mask is None:

@@ -1,9 +1,12 @@
-"""DeltaNet sequence mixer (delta rule with a learned write strength beta), laid out like fla's
-`fla.layers.DeltaNet` (use_beta, use_gate, short convs with SiLU, L2-normalised q/k).
+"""DeltaNet sequence mixer (delta rule with a learned write strength beta) with the parameter names and layout of
+fla's `fla.layers.DeltaNet` (use_beta, use_gate, short convs with SiLU, L2-normalised q/k), so their state dicts
+load into each other.
 
-On CUDA the scan runs through fla's Triton kernels when `fla` imports; anywhere else through an exact
-chunked (WY-form) torch scan with the same outputs. The final projection is called `out_proj` (the mixer
-contract); `o_proj` is an alias, and `convert_fla_state_dict` renames an fla checkpoint's keys.
+On CUDA (when `fla` imports) fla's own `DeltaNet` layer runs on this module's parameters; a call that continues
+or returns a state (prefill and one-token decode in generation) runs fla's pieces: its short convolutions with
+their cache (one-token: the in-place conv step) and its delta-rule kernels (fused-recurrent up to 64 tokens,
+chunked beyond). Anywhere else an exact chunked (WY-form) torch scan computes the same function. The final
+projection is `o_proj` (fla's name); `out_proj` (the mixer contract) is an alias.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
+from .common import (apply_padding_mask, bind_parameters, causal_conv1d, check_attention_mask, check_hidden_states,
+                     rebind)
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -22,12 +26,13 @@ FUSED_RECURRENT_MAX_LEN = 64  # fla itself uses the recurrent kernel up to this 
 
 
 def fla_kernels():
-    """(chunk_delta_rule, fused_recurrent_delta_rule) from fla, or None; cached. Only called for CUDA
-    tensors: fla's kernels are Triton-only and have no CPU path."""
+    """(chunk_delta_rule, fused_recurrent_delta_rule, fla.layers.DeltaNet) from fla, or None; cached. Only
+    called for CUDA tensors: fla's kernels are Triton-only and have no CPU path."""
     if "fla" not in _KERNELS:
         try:
+            from fla.layers.delta_net import DeltaNet
             from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
-            _KERNELS["fla"] = (chunk_delta_rule, fused_recurrent_delta_rule)
+            _KERNELS["fla"] = (chunk_delta_rule, fused_recurrent_delta_rule, DeltaNet)
         except Exception as exc:  # noqa: BLE001 - any failure means "no kernels"
             if not isinstance(exc, ImportError):
                 warnings.warn(f"fla delta-rule kernels unavailable ({exc!r}); using the torch scan")
@@ -81,10 +86,10 @@ class NormThenGate(nn.Module):
 
 class DeltaNetMixer(nn.Module):
     """DeltaNet block: q/k/v projections -> short causal convs + SiLU -> L2-normalised q/k,
-    beta = sigmoid(b_proj) -> delta-rule scan -> per-head RMSNorm gated by silu(g_proj) -> out_proj.
+    beta = sigmoid(b_proj) -> delta-rule scan -> per-head RMSNorm gated by silu(g_proj) -> o_proj.
 
     `head_dim` sets the key and value head width (`value_head_dim` overrides the value side).
-    `backend`: "auto" (fla kernels on CUDA when importable, torch otherwise), "torch", or "kernel".
+    `backend`: "auto" (fla on CUDA when importable, torch otherwise), "torch", or "kernel".
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int = 64,
@@ -106,7 +111,7 @@ class DeltaNetMixer(nn.Module):
         self.head_k_dim, self.head_v_dim = head_dim, value_head_dim
         self.key_dim, self.value_dim = num_heads * head_dim, num_heads * value_head_dim
         self.use_gate, self.allow_neg_eigval = use_gate, allow_neg_eigval
-        self.chunk_size, self.backend = chunk_size, backend
+        self.chunk_size, self.backend, self.norm_eps = chunk_size, backend, norm_eps
 
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
@@ -120,19 +125,21 @@ class DeltaNetMixer(nn.Module):
             self.o_norm = NormThenGate(self.head_v_dim, eps=norm_eps)
         else:
             self.o_norm = nn.RMSNorm(self.head_v_dim, eps=norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self._register_load_state_dict_pre_hook(_rename_old_keys)
 
     @property
-    def o_proj(self) -> nn.Linear:
-        """fla's name for the final projection."""
-        return self.out_proj
+    def out_proj(self) -> nn.Linear:
+        """The mixer contract's name for the final projection (fla's `o_proj`)."""
+        return self.o_proj
 
     @staticmethod
-    def convert_fla_state_dict(state_dict: dict) -> dict:
-        """Rename an `fla.layers.DeltaNet` state dict (o_proj.*) to this module's names (out_proj.*);
-        conv weights already share fla's [C, 1, W] layout."""
-        return {("out_proj" + k[len("o_proj"):] if k.startswith("o_proj") else k): v
-                for k, v in state_dict.items()}
+    def upgrade_state_dict(state_dict: dict, prefix: str = "") -> dict:
+        """A copy of `state_dict` with the keys of an older DeltaNetMixer under `prefix` renamed (`out_proj.*` ->
+        `o_proj.*`); `load_state_dict` does this itself, this is for code that compares keys first."""
+        state_dict = dict(state_dict)
+        _rename_old_keys(state_dict, prefix)
+        return state_dict
 
     @property
     def conv_channels(self) -> int:
@@ -160,16 +167,80 @@ class DeltaNetMixer(nn.Module):
             raise RuntimeError("backend='kernel' needs CUDA fp32/fp16/bf16 tensors and an importable fla")
         return kernels
 
+    # -- fla's own layer -------------------------------------------------------------------------------
+    def library_options(self) -> dict:
+        """`fla.layers.DeltaNet`'s options for this layer's shape (its widths are `expand * hidden_size`)."""
+        return dict(mode="chunk", hidden_size=self.hidden_size, expand_k=self.key_dim / self.hidden_size,
+                    expand_v=self.value_dim / self.hidden_size, num_heads=self.num_heads, use_beta=True,
+                    use_gate=self.use_gate, use_short_conv=True, conv_size=self.conv_kernel,
+                    conv_bias=self.q_conv1d.bias is not None, allow_neg_eigval=self.allow_neg_eigval,
+                    qk_activation="silu", qk_norm="l2", norm_eps=self.norm_eps)
+
+    def _library(self, layer_cls):
+        """fla's `DeltaNet` running on this module's parameters, built on the first CUDA call and kept out of
+        `state_dict()` / `parameters()`."""
+        built = self.__dict__.get("_library_layer")
+        if built is None:
+            with torch.device("meta"):
+                layer = layer_cls(**self.library_options())
+            built = self.__dict__["_library_layer"] = (layer, bind_parameters(layer, self))
+        layer, binds = built
+        rebind(binds)
+        return layer
+
+    def _library_with_state(self, kernels, layer, x, mask, conv_state, S0):
+        """fla's pieces on a call that continues or returns a state. fla's conv caches hold the last conv_kernel
+        inputs of each of q, k, v (ours the last conv_kernel - 1, concatenated: the oldest is shifted out before
+        use); padded positions get zero conv input and beta = 0, the identity on the state."""
+        chunk, recurrent, _ = kernels
+        b, L, _ = x.shape
+        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        mask = None if mask is None else mask.to(x.dtype)  # fla's conv multiplies x by it in place
+        caches = [None] * 3 if conv_state is None else [
+            F.pad(c.to(x.dtype), (1, 0)) for c in conv_state.split([self.key_dim, self.key_dim, self.value_dim], 1)]
+        q, k, v, new_conv = [], [], [], []
+        for out, proj, conv, cache in zip((q, k, v), (layer.q_proj, layer.k_proj, layer.v_proj),
+                                          (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), caches):
+            y, final = conv(x=proj(x), mask=mask, cache=cache, output_final_state=True)
+            out.append(y)
+            new_conv.append(final[:, :, 1:])
+        q, k, v = q[0].reshape(b, L, H, dk), k[0].reshape(b, L, H, dk), v[0].reshape(b, L, H, dv)
+        beta = layer.b_proj(x).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2
+        if mask is not None:
+            beta = beta * mask.unsqueeze(-1)
+        h0 = None if S0 is None else S0.float().contiguous()
+        if L <= FUSED_RECURRENT_MAX_LEN:  # short prefill and decode: the recurrent kernel, as fla's layer does
+            o, S = recurrent(q, k, v, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:  # the chunk kernel refuses float32: run it in bfloat16, states stay float32
+            kd = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+            o, S = chunk(*(t.to(kd) for t in (q, k, v, beta)), initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+        o = o.to(x.dtype)
+        o = layer.o_norm(o, layer.g_proj(x).reshape(b, L, H, dv)) if self.use_gate else layer.o_norm(o)
+        return layer.o_proj(o.reshape(b, L, self.value_dim)), (torch.cat(new_conv, 1), S.float())
+
+    # -- forward ---------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state=None, return_state: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "DeltaNetMixer")
         check_attention_mask(attention_mask, hidden_states, "DeltaNetMixer")
-        in_dtype, dtype = hidden_states.dtype, self.out_proj.weight.dtype
+        in_dtype, dtype = hidden_states.dtype, self.o_proj.weight.dtype
         x = hidden_states.to(dtype)
         b, L, _ = x.shape
         conv_state, S0 = self._check_state(state, b)
-        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
 
+        kernels = self._use_kernels(x)
+        if kernels is not None:
+            layer = self._library(kernels[2])
+            if state is None and not return_state and dtype != torch.float32:
+                # fla's layer (its chunk kernel refuses float32); it unpads a padding mask itself
+                return layer(x, attention_mask=attention_mask)[0].to(in_dtype)
+            out, new_state = self._library_with_state(kernels, layer, x, attention_mask, conv_state, S0)
+            return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
+
+        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         qkv = apply_padding_mask(qkv, attention_mask)
         weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
@@ -188,27 +259,15 @@ class DeltaNetMixer(nn.Module):
         if attention_mask is not None:  # beta = 0 makes a padding step the identity on the state
             beta = beta * attention_mask.to(scan_dtype).unsqueeze(-1)
         S0 = None if S0 is None else S0.to(scan_dtype)
-
-        kernels = self._use_kernels(x)
-        if kernels is not None:
-            o, S = self._scan_kernels(kernels, q, k, v, beta, S0)
-        else:
-            o, S = delta_rule_torch(q, k, v.to(scan_dtype), beta, S0, chunk_size=self.chunk_size)
+        o, S = delta_rule_torch(q, k, v.to(scan_dtype), beta, S0, chunk_size=self.chunk_size)
         o = o.to(dtype)
         o = self.o_norm(o, self.g_proj(x).reshape(b, L, H, dv)) if self.use_gate else self.o_norm(o)
-        out = self.out_proj(o.reshape(b, L, self.value_dim)).to(in_dtype)
+        out = self.o_proj(o.reshape(b, L, self.value_dim)).to(in_dtype)
         return (out, (new_conv_state, S)) if return_state else out
 
-    def _scan_kernels(self, kernels, q, k, v, beta, S0):
-        chunk, recurrent = kernels
-        L = q.shape[1]
-        h0 = None if S0 is None else S0.float().contiguous()
-        if L <= FUSED_RECURRENT_MAX_LEN:  # short prefill and decode: the recurrent kernel
-            kd = v.dtype
-            fn = recurrent
-        else:  # the chunk kernel refuses float32: run it in bfloat16, states stay float32
-            kd = torch.bfloat16 if v.dtype == torch.float32 else v.dtype
-            fn = chunk
-        o, S = fn(q.to(kd).contiguous(), k.to(kd).contiguous(), v.to(kd).contiguous(),
-                  beta.to(kd).contiguous(), scale=1.0, initial_state=h0, output_final_state=True)
-        return o, S.float()
+
+def _rename_old_keys(state_dict, prefix, *args) -> None:
+    """Checkpoints written before the final projection took fla's name `o_proj` call it `out_proj`."""
+    for key in [k for k in state_dict if k.startswith(prefix + "out_proj.")]:
+        state_dict[prefix + "o_proj." + key[len(prefix + "out_proj."):]] = state_dict.pop(key)
+

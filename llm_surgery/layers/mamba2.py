@@ -1,8 +1,10 @@
 """Mamba2 (SSD) sequence mixer with mamba-ssm's parameter names and layout.
 
-The same weights run through mamba-ssm's Triton kernels on CUDA (when `mamba_ssm` imports) and through a
-pure-torch chunked SSD scan anywhere else; both give the same outputs, so a layer trained on a GPU can be
-checked and decoded on a CPU. The kernels are imported lazily, on the first CUDA call only.
+On CUDA (when `mamba_ssm` imports) the layer runs mamba-ssm's own `Mamba2` module on this module's parameters:
+its fused training path (`mamba_split_conv1d_scan_combined`) where causal-conv1d is installed, its conv + Triton
+scan otherwise, and its `step` (causal_conv1d_update + selective_state_update) for one-token decoding. Anywhere
+else a pure-torch chunked SSD scan computes the same function, so one state dict serves both: a layer trained on
+a GPU is checked, decoded and trained on a CPU and back. mamba-ssm is imported lazily, on the first CUDA call.
 """
 
 from __future__ import annotations
@@ -18,25 +20,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states
+from .common import (GatedRMSNorm, apply_padding_mask, bind_parameters, causal_conv1d, check_attention_mask,
+                     check_hidden_states, is_right_padding, rebind)
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
 
 
-def _import_mamba_kernels():
-    """Import mamba-ssm's Triton SSD kernels, or return None.
+def _import_all(names):
+    """Import `names` (mamba-ssm modules) and return them, or None.
 
     mamba-ssm's package `__init__` imports the compiled Mamba-1 extension (`selective_scan_cuda`), which
-    Triton-only installs lack. Then the Triton modules are loaded under a bare `mamba_ssm` package and
-    every module added that way is dropped from `sys.modules` again, so that no other library (e.g.
-    transformers' host Mamba layers, whose fused training path needs compiled causal_conv1d) starts to see
-    a half-installed mamba-ssm because of us.
+    Triton-only installs lack. Then the modules are loaded under a bare `mamba_ssm` package and every module
+    added that way is dropped from `sys.modules` again, so that no other library (e.g. transformers' host Mamba
+    layers, whose fused training path needs compiled causal_conv1d) starts to see a half-installed mamba-ssm
+    because of us.
     """
-    names = ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.selective_state_update")
     before = set(sys.modules)
     try:
-        mods = [importlib.import_module(n) for n in names]
+        return [importlib.import_module(n) for n in names]
     except Exception:  # noqa: BLE001 - typically ModuleNotFoundError: selective_scan_cuda
         try:
             spec = importlib.util.find_spec("mamba_ssm")
@@ -48,23 +50,44 @@ def _import_mamba_kernels():
         bare.__path__ = list(spec.submodule_search_locations)
         sys.modules["mamba_ssm"] = bare
         try:
-            mods = [importlib.import_module(n) for n in names]
-        except Exception as exc:  # noqa: BLE001 - any failure means "no kernels"
-            warnings.warn(f"mamba_ssm Triton kernels unavailable ({exc!r}); using the torch SSD scan")
+            return [importlib.import_module(n) for n in names]
+        except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+            warnings.warn(f"mamba_ssm unavailable ({exc!r}); using the torch path")
             return None
         finally:  # also drops what the failed full-package import left behind
             for name in set(sys.modules) - before:
                 if name == "mamba_ssm" or name.startswith("mamba_ssm."):
                     del sys.modules[name]
-    return mods[0].mamba_chunk_scan_combined, mods[1].selective_state_update
+
+
+def _import_mamba():
+    """mamba-ssm's Triton kernels and its `Mamba2` module, imported once (one copy of each kernel, autotuned once):
+    {"kernels": (mamba_chunk_scan_combined, selective_state_update), "module": (Mamba2, fused path usable)}, or None.
+    The fused training path needs causal-conv1d's compiled functions."""
+    mods = _import_all(("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.selective_state_update",
+                        "mamba_ssm.modules.mamba2"))
+    if mods is None:
+        return None
+    fused = getattr(mods[0], "causal_conv1d_fwd_function", None) is not None
+    return {"kernels": (mods[0].mamba_chunk_scan_combined, mods[1].selective_state_update),
+            "module": (mods[2].Mamba2, fused)}
+
+
+def _mamba(part: str):
+    if "mamba" not in _KERNELS:
+        _KERNELS["mamba"] = _import_mamba()
+    return None if _KERNELS["mamba"] is None else _KERNELS["mamba"][part]
 
 
 def mamba_kernels():
     """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or None; cached.
     Call only when CUDA is in use: importing Triton kernels on a CPU-only machine is pointless."""
-    if "mamba" not in _KERNELS:
-        _KERNELS["mamba"] = _import_mamba_kernels()
-    return _KERNELS["mamba"]
+    return _mamba("kernels")
+
+
+def mamba_module():
+    """(mamba_ssm.modules.mamba2.Mamba2, fused path usable), or None; cached. CUDA only, like `mamba_kernels`."""
+    return _mamba("module")
 
 
 def ssd_scan_torch(x, dt, A, B, C, h0=None, chunk_size=64):
@@ -100,7 +123,11 @@ class Mamba2Mixer(nn.Module):
 
     Parameter names and shapes follow `mamba_ssm.modules.mamba2.Mamba2` (with `d_ssm = d_inner`,
     `rmsnorm=True`, `norm_before_gate=False`), so its state dicts load directly.
-    `backend`: "auto" (mamba-ssm kernels on CUDA when importable, torch otherwise), "torch", or "kernel".
+    `backend`: "auto" (mamba-ssm on CUDA when importable, torch otherwise), "torch", or "kernel".
+
+    On CUDA, mamba-ssm's `Mamba2` (see `library_options`) runs the forward without state or left padding and the
+    one-token decode step; a prefill that continues or returns a state, or has left padding, runs this block on
+    mamba-ssm's chunk-scan kernel (the module's own forward takes no start state and no padding mask).
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int = 64,
@@ -163,6 +190,57 @@ class Mamba2Mixer(nn.Module):
             raise RuntimeError("backend='kernel' needs CUDA fp32/fp16/bf16 tensors and an importable mamba_ssm")
         return kernels
 
+    # -- mamba-ssm's own module ------------------------------------------------------------------------
+    def library_options(self) -> dict | None:
+        """`mamba_ssm.modules.mamba2.Mamba2`'s options for this layer's shape, or None when it cannot hold it
+        (mamba-ssm ties the inner width to an integer `expand` times `hidden_size`)."""
+        if self.d_inner % self.hidden_size:
+            return None
+        return dict(d_model=self.hidden_size, d_state=self.state_size, d_conv=self.conv_kernel,
+                    expand=self.d_inner // self.hidden_size, headdim=self.head_dim, ngroups=self.n_groups,
+                    rmsnorm=True, norm_before_gate=False, dt_limit=self.dt_limit,
+                    bias=self.in_proj.bias is not None, conv_bias=self.conv1d.bias is not None,
+                    chunk_size=self.chunk_size)
+
+    def _library(self):
+        """mamba-ssm's `Mamba2` running on this module's parameters, built on the first CUDA call and kept out of
+        `state_dict()` / `parameters()`; None where mamba-ssm is absent or cannot hold this shape."""
+        built = self.__dict__.get("_library_layer")
+        if built is None:
+            built = self.__dict__["_library_layer"] = self._build_library() or False
+        if built is False:
+            return None
+        layer, binds = built
+        rebind(binds)
+        return layer
+
+    def _build_library(self):
+        found, options = mamba_module(), self.library_options()
+        if found is None:
+            return None
+        if options is None:
+            warnings.warn(f"Mamba2Mixer: num_heads * head_dim = {self.d_inner} is not a multiple of hidden_size = "
+                          f"{self.hidden_size}, which mamba-ssm's Mamba2 needs; this layer runs the project's block "
+                          "on mamba-ssm's kernels instead")
+            return None
+        cls, fused = found
+        with torch.device("meta"):
+            layer = cls(**options, use_mem_eff_path=fused)
+        layer.norm.eps = self.norm.eps
+        return layer, bind_parameters(layer, self)
+
+    def _library_step(self, layer, x, conv_state, ssm_state):
+        """One token through `Mamba2.step` (causal_conv1d_update + selective_state_update). Its conv state holds
+        the last conv_kernel inputs (ours the last conv_kernel - 1: the oldest is shifted out before use) and is
+        updated in place, as is the scan state: both are fresh copies here, so a kept state is never changed."""
+        b = x.shape[0]
+        conv = (x.new_zeros(b, self.conv_dim, self.conv_kernel) if conv_state is None
+                else F.pad(conv_state.to(x.dtype), (1, 0)))
+        h = (x.new_zeros(b, self.num_heads, self.head_dim, self.state_size, dtype=torch.float32)
+             if ssm_state is None else ssm_state.float().clone())
+        out, conv, h = layer.step(x, conv, h)
+        return out, (conv[:, :, 1:].contiguous(), h)
+
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state=None, return_state: bool = False):
@@ -173,6 +251,14 @@ class Mamba2Mixer(nn.Module):
         b, L, _ = hidden_states.shape
         conv_state, ssm_state = self._check_state(state, b)
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
+
+        kernels = self._use_kernels(hidden_states)
+        layer = self._library() if kernels is not None else None
+        if layer is not None and state is None and not return_state and is_right_padding(attention_mask):
+            return layer(hidden_states).to(in_dtype)  # right padding: no real token sees a padded one
+        if layer is not None and L == 1 and attention_mask is None and not torch.is_grad_enabled():
+            out, new_state = self._library_step(layer, hidden_states, conv_state, ssm_state)
+            return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
 
         z, xBC, dt = self.in_proj(hidden_states).split([self.d_inner, self.conv_dim, H], dim=-1)
         xBC = apply_padding_mask(xBC, attention_mask)
@@ -191,7 +277,6 @@ class Mamba2Mixer(nn.Module):
         D = self.D.to(scan_dtype)
         h0 = None if ssm_state is None else ssm_state.to(scan_dtype)
 
-        kernels = self._use_kernels(hidden_states)
         if kernels is not None:
             y, h = self._scan_kernels(kernels, x, dt, A, Bm, Cm, D, h0)
         else:

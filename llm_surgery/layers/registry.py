@@ -82,7 +82,14 @@ def _default_options(kind: str, hidden_size: int) -> tuple:
     if kind == "pdssm":
         return ()  # FlashPDSSM's own defaults define the target
     target = target_param_count(hidden_size)
-    if kind == "mamba2":  # mamba-ssm defaults (head_dim 64, state 128); heads set the width
+    if kind == "mamba2" and hidden_size % 32 == 0:
+        # mamba-ssm's Mamba2 defaults (expand 2, head_dim 64, state 128), which its module needs to hold the layer
+        # (an integer expand); the B/C groups (a divisor of the heads) set the count
+        fixed = dict(head_dim=64, state_size=128, conv_kernel=4, num_heads=hidden_size // 32)
+        fixed["n_groups"] = min((g for g in range(1, fixed["num_heads"] + 1) if fixed["num_heads"] % g == 0),
+                                key=lambda g: abs(count_params(kind, hidden_size, n_groups=g, **fixed) - target))
+        return tuple(sorted(fixed.items()))
+    if kind == "mamba2":  # widths mamba-ssm's module cannot hold at expand 2: heads set the width
         fixed = dict(head_dim=64, state_size=128, n_groups=1, conv_kernel=4)
     else:  # deltanet: key/value heads of 64 (128 from width 2048 on, as in larger fla models)
         fixed = dict(head_dim=64 if hidden_size < 2048 else 128, conv_kernel=4)
@@ -117,7 +124,8 @@ def param_table(widths=(768, 1024, 1536, 2048, 4096, 4480, 5120)) -> str:
             opts = default_options(kind, d)
             n = count_params(kind, d, **opts)
             worst = max(worst, abs(n - target) / target)
-            desc = ", ".join(f"{k}={v}" for k, v in opts.items() if k in ("num_heads", "head_dim", "state_size"))
+            desc = ", ".join(f"{k}={v}" for k, v in opts.items()
+                             if k in ("num_heads", "head_dim", "state_size", "n_groups"))
             cells.append(f"{n / 1e6:.2f}M ({desc})" if desc else f"{n / 1e6:.2f}M")
         rows.append(f"| {d} | " + " | ".join(cells) + f" | {100 * worst:.1f}% |")
     return "\n".join(rows)

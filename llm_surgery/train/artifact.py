@@ -14,11 +14,14 @@ PEFT_PREFIX = "base_model.model."   # the key prefix of a PeftModel's saved adap
 
 
 def lora_config(cfg):
-    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`)."""
+    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`): on the host's
+    modules of those names, never inside the inserted layers (`pre_ssm`): DeltaNet's projections carry the attention
+    names (q/k/v/o_proj), and a mixer runs its library layer on its own parameters, which a LoRA wrapper would rename."""
     from peft import LoraConfig
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
+                      exclude_modules=r".*\.pre_ssm\..*")
 
 
 def save_final(accelerator, model, final_dir: Path, cfg) -> None:

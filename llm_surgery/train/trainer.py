@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .artifact import save_final
+from .artifact import lora_config, save_final
 from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
                          resolve_checkpoint, save_checkpoint)
 from .config import TrainConfig, UsageError
@@ -126,8 +126,6 @@ def load_host(cfg: TrainConfig, accelerator, log):
 def add_lora(model, cfg: TrainConfig):
     """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
     from peft import inject_adapter_in_model
-
-    from .artifact import lora_config
 
     lcfg = lora_config(cfg)
     inject_adapter_in_model(lcfg, model)
