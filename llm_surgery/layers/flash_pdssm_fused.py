@@ -24,10 +24,17 @@ from ..ops import fast_path
 from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
 
 
-def usable(u: torch.Tensor) -> bool:
-    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, the pd_scan
-    kernels built and Triton importable (`ops.fast_path`)."""
-    return fast_path.cuda_fast_path(u, dtypes=fast_path.FLOAT_DTYPES, scan_kernels=True, triton=True)
+def usable(u: torch.Tensor, triton_only: bool = False) -> bool:
+    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, Triton
+    importable and (unless `triton_only`: a call without autograd where `one_kernel_pays`) the pd_scan kernels
+    built (`ops.fast_path`)."""
+    return fast_path.cuda_fast_path(u, dtypes=fast_path.FLOAT_DTYPES, scan_kernels=not triton_only, triton=True)
+
+
+def one_kernel_pays(batch: int, heads: int, state_size: int, length: int, device) -> bool:
+    """Whether the forward runs as one kernel per (sequence, head) (`ops/pd_select/triton_middle.py`)."""
+    from ..ops.pd_select.triton_middle import middle_fwd_pays
+    return middle_fwd_pays(batch, heads, state_size, length, device)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -91,6 +98,7 @@ class _FusedMiddle(torch.autograd.Function):
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
         from ..ops.pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..ops.pd_transition.triton_fused import transition_fwd_triton
+        from ..ops.pd_select import triton_middle
         from ..ops.pd_select.triton_readout import injection_fwd, readout_fwd
 
         if u.stride(-1) != 1:
@@ -104,14 +112,27 @@ class _FusedMiddle(torch.autograd.Function):
         precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
         Bf = Bw.float().contiguous()
-        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
-        x_im = torch.empty_like(x_re)
+        # one kernel per (sequence, head) where there are enough of them (triton_middle.py); else the separate
+        # transition, injection, scan and readout kernels. States are kept only for a backward.
+        one_kernel = one_kernel_pays(B, H, N, L, u.device)
+        keep_states = any(ctx.needs_input_grad) or not one_kernel
+        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device) if keep_states else None
+        x_im = torch.empty_like(x_re) if keep_states else None
+        last_re = torch.empty(B, H, N, dtype=torch.float32, device=u.device)
+        last_im = torch.empty_like(last_re)
+        x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
         y = torch.empty_like(u)
         for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
             b = u[sl].shape[0]
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
-            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
-                                                       None if mask is None else mask[sl], unit_snap, phase_levels)
+            m = None if mask is None else mask[sl]
+            if one_kernel:
+                triton_middle.middle_fwd(proj, u[sl], Bf, Cf, skip, decay_bias, P_dict, x0_re[sl], x0_im[sl], m,
+                                         b_gate, unit_snap, phase_levels,
+                                         states=(x_re[sl], x_im[sl]) if keep_states else None, y=y[sl],
+                                         last=(last_re[sl], last_im[sl]), precision=precision)
+                continue
+            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
@@ -125,9 +146,10 @@ class _FusedMiddle(torch.autograd.Function):
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
             del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
+            last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
-        return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
+        return y, last_re, last_im
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
