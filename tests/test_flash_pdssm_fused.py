@@ -105,7 +105,7 @@ def test_fused_path_matches_torch_path_interpreted():
             return (*(out or planes), gx0)
 
         cuda.pd_scan_fwd_cuda_split, cuda.pd_scan_bwd_cuda_split = fwd, bwd
-        flash_pdssm_fused.usable = lambda u: True
+        flash_pdssm_fused.usable = lambda u, triton_only=False: True
         flash_pdssm_fused._FusedMiddle.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised
         from test_flash_pdssm_fused import _compare
         print(json.dumps(_compare("cpu")))

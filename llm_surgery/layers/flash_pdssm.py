@@ -270,11 +270,11 @@ class FlashPDSSM(nn.Module):
         """Whether this call runs the fused op (see `backend`)."""
         if self.backend == "torch":
             return False
-        # without autograd (prefill, a decode step) and with enough (sequence, head) pairs the middle is one
-        # Triton kernel, which needs no pd_scan extension
-        inference = (not torch.is_grad_enabled() and u.is_cuda
-                     and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1], u.device))
-        ok = self.complex and fused.usable(u, triton_only=inference)
+        # with enough (sequence, head) pairs (a training batch, a decode step) the middle is one Triton kernel per
+        # pass, which needs no pd_scan extension
+        one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
+                                                         u.device)
+        ok = self.complex and fused.usable(u, triton_only=one_kernel)
         if not ok and self.backend == "kernel":
             raise RuntimeError("FlashPDSSM: backend='kernel' needs a complex layer and CUDA float32/bfloat16/float16 "
                                "inputs with the pd_scan kernels built and Triton importable; use backend='auto'")

@@ -149,15 +149,74 @@ class _FusedMiddle(torch.autograd.Function):
             last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
+        ctx.one_kernel = one_kernel
         return y, last_re, last_im
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
         # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
+        if ctx.one_kernel:
+            return _FusedMiddle._backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict,
+                                                     Bw, x0, x_re, x_im, C, D_skip, mask,
+                                                     "ieee" if u.dtype == torch.float32 else "tf32")
         return _FusedMiddle._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
                                               x0, x_re, x_im, C, D_skip, mask,
                                               "ieee" if u.dtype == torch.float32 else "tf32")
+
+    @staticmethod
+    def _backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C,
+                             D_skip, mask, precision):
+        """The backward of the one-kernel forward: per batch slice the projection again, then one kernel per
+        (sequence, head) (`triton_middle.middle_bwd`), the dictionary's grouped sum and the projection's products."""
+        from ..ops.pd_select import triton_middle
+        from ..ops.pd_select.triton_ste import dictionary_grad_from_dx
+
+        B, L, d = u.shape
+        H, K, N = M.shape[:3]
+        P = C.shape[1]
+        W = Wx.shape[0] // H
+        dev = u.device
+        Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
+        Wu = Wx.to(u.dtype)
+        if g_y is None:
+            g_y = torch.zeros_like(u)
+        elif g_y.stride(-1) != 1:
+            g_y = g_y.contiguous()
+        g_last = None
+        if g_last_re is not None or g_last_im is not None:
+            zero = torch.zeros(B, H, N, device=dev, dtype=torch.float32)
+            g_last = (zero if g_last_re is None else g_last_re.float(), zero if g_last_im is None else g_last_im.float())
+        x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
+        gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
+        G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
+        gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
+        gskip = torch.zeros(H, P, dtype=torch.float32, device=dev)
+        gbias = torch.zeros(H * N, dtype=torch.float32, device=dev)
+        gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
+        g_u = torch.empty_like(u)
+        gBw = None if ctx.b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
+        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
+            b = u[sl].shape[0]
+            proj = F.linear(u[sl], Wu).view(b, L, H, W)
+            gproj, g_ub, lam, dx, kstar, (gr, gi) = triton_middle.middle_bwd(
+                proj, u[sl], g_y[sl], (x_re[sl], x_im[sl]), (x0_re[sl], x0_im[sl]),
+                None if g_last is None else (g_last[0][sl], g_last[1][sl]), Bf, Cf, skip, decay_bias, P_dict,
+                gC, gskip, gBw, gbias, ctx.tau, None if mask is None else mask[sl], ctx.b_gate, ctx.unit_snap,
+                ctx.phase_levels, precision)
+            del proj
+            gx0[sl] = torch.complex(gr, gi)
+            G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
+            del lam, dx, kstar
+            gp = gproj.view(b * L, H * W)
+            gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            del gproj, gp, g_ub
+        gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
+        gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
+        gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
+        return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
+                gskip.to(D_skip.dtype), None, None, None, None, None)
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
