@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--configs", nargs="+", default=["16x1", "32x1", "16x2", "16x4"], help="chunk x warps")
     ap.add_argument("--backward", action="store_true", help="also check and time forward + backward")
+    ap.add_argument("--bwd-configs", nargs="+", default=["16x4"], help="backward's chunk x warps")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
@@ -75,14 +76,22 @@ def main() -> None:
             triton_middle.CONFIG.update(chunk=chunk, num_warps=warps)
             with torch.no_grad():
                 inf = median_ms(lambda: layer(x), 10, warmup=2)
-            line = f"L={L} config {cfg}: forward without autograd {inf:.2f} ms"
-            if args.backward:
-                def step():
-                    x.grad = None
-                    layer(x).backward(g)
-                line += f", forward {median_ms(lambda: layer(x), 10, warmup=2):.2f} ms, fwd+bwd " \
-                        f"{median_ms(step, 10, warmup=2):.2f} ms"
-            print(line, flush=True)
+            print(f"L={L} forward config {cfg}: without autograd {inf:.2f} ms, with autograd "
+                  f"{median_ms(lambda: layer(x), 10, warmup=2):.2f} ms", flush=True)
+        if not args.backward:
+            continue
+        triton_middle.CONFIG.update(chunk=int(args.configs[0].split("x")[0]),
+                                    num_warps=int(args.configs[0].split("x")[1]))
+
+        def step():
+            x.grad = None
+            for q in layer.parameters():
+                q.grad = None
+            layer(x).backward(g)
+        for cfg in args.bwd_configs:
+            chunk, warps = map(int, cfg.split("x"))
+            triton_middle.BWD_CONFIG.update(chunk=chunk, num_warps=warps)
+            print(f"L={L} backward config {cfg}: fwd+bwd {median_ms(step, 10, warmup=2):.2f} ms", flush=True)
 
 
 if __name__ == "__main__":
