@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true", help="also check and time forward + backward")
     ap.add_argument("--bwd-configs", nargs="+", default=["16x4"], help="backward's chunk x warps")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one fwd+bwd per length")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
     from llm_surgery.ops.pd_select import triton_middle
@@ -92,6 +93,12 @@ def main() -> None:
             chunk, warps = map(int, cfg.split("x"))
             triton_middle.BWD_CONFIG.update(chunk=chunk, num_warps=warps)
             print(f"L={L} backward config {cfg}: fwd+bwd {median_ms(step, 10, warmup=2):.2f} ms", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=50))
 
 
 if __name__ == "__main__":
