@@ -19,6 +19,7 @@ unless --quick-autotune). Peak: max_memory_allocated during one step minus what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata as md
 import importlib.util
@@ -57,10 +58,11 @@ def import_mamba2():
 def build(kind: str, width: int):
     """(label, module) for one --kinds entry."""
     torch.manual_seed(0)
-    if kind in ("pdssm", "pdssm-ref"):
+    if kind in ("pdssm", "pdssm-ref", "pdssm-split"):
         from llm_surgery.layers.registry import build_mixer
-        layer = build_mixer("pdssm", width, backend="auto" if kind == "pdssm" else "torch")
-        label = "FlashPDSSM" + (" (torch reference path)" if kind == "pdssm-ref" else "")
+        layer = build_mixer("pdssm", width, backend="torch" if kind == "pdssm-ref" else "auto")
+        label = "FlashPDSSM" + {"pdssm": "", "pdssm-ref": " (torch reference path)",
+                                "pdssm-split": " (separate kernels, not one per sequence and head)"}[kind]
     elif kind == "fla-deltanet":
         from fla.layers import DeltaNet
         heads = 14 * width // 1024
@@ -80,6 +82,19 @@ def build(kind: str, width: int):
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return label, layer.cuda().to(torch.bfloat16).train()
+
+
+@contextlib.contextmanager
+def one_kernel(on: bool):
+    """FlashPDSSM's middle as one kernel per (sequence, head) where it pays (on), or its separate kernels (off)."""
+    from llm_surgery.ops.pd_select import triton_middle
+    saved = triton_middle.CONFIG["min_pairs_per_sm"]
+    if not on:
+        triton_middle.CONFIG["min_pairs_per_sm"] = float("inf")
+    try:
+        yield
+    finally:
+        triton_middle.CONFIG["min_pairs_per_sm"] = saved
 
 
 def first(o):
@@ -212,7 +227,8 @@ def main():
             for kind, (label, layer) in layers.items():
                 x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 try:
-                    ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+                    with one_kernel(kind != "pdssm-split"):
+                        ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
                     row += [f"{ms:.2f} ({fwd:.2f})", f"{peak / 2**30:.2f}"]
                     if args.json:
                         with open(args.json, "a") as f:

@@ -63,19 +63,30 @@ def _assert_close(worst, tol):
     assert not bad, f"fused path deviates from the torch path: {bad}"
 
 
+@pytest.fixture(params=[True, False], ids=["one-kernel", "separate-kernels"])
+def one_kernel(request, monkeypatch):
+    """Both forms of the fused op at test sizes: one kernel per (sequence, head) (forced: at these few sequences the
+    layer would take the separate kernels) and the separate kernels."""
+    from llm_surgery.ops.pd_select import triton_middle
+    monkeypatch.setitem(triton_middle.CONFIG, "min_pairs_per_sm", 0 if request.param else float("inf"))
+    return request.param
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_path_matches_torch_path_cuda():
+def test_fused_path_matches_torch_path_cuda(one_kernel):
     from llm_surgery.layers import flash_pdssm_fused
     assert flash_pdssm_fused.usable(torch.zeros(1, device="cuda")), "CUDA present but the fused path cannot run"
     # a float32 layer runs exact float32 products on both paths (TF32 only for half-precision layers)
     _assert_close(_compare("cuda", torch.float32), 1e-5)
     _assert_close(_compare("cuda", torch.float32, width=256, L=700), 1e-5)
+    _assert_close(_compare("cuda", torch.float32, cases=[(None, {}), ("decay", DRIFT[1][1])], num_heads=4,
+                           state_size=20, dict_size=5), 1e-5)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_path_bf16_cuda():
+def test_fused_path_bf16_cuda(one_kernel):
     """bf16 layer (as benchmarked): the two paths round at different places (the fused readout is float32),
     so they agree to bf16 precision, not bit for bit."""
     _assert_close(_compare("cuda", torch.bfloat16, width=128, L=200), 5e-2)

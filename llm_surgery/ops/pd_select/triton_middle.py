@@ -57,7 +57,7 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     seq = b.to(tl.int64) * H + h
     x_re = tl.load(x0re_ptr + seq * N + n, mask=nm, other=0.0)
     x_im = tl.load(x0im_ptr + seq * N + n, mask=nm, other=0.0)
-    fscr = fscr_ptr + pid.to(tl.int64) * (6 * T * BLOCK_N)       # D_re, D_im, b_re, b_im, x_re, x_im rows
+    fscr = fscr_ptr + pid.to(tl.int64) * (4 * T * BLOCK_N)       # D_re, D_im, b_re, b_im rows
     iscr = iscr_ptr + pid.to(tl.int64) * (T * BLOCK_N)           # P_t rows
     tile = j[:, None] * BLOCK_N + n[None, :]
     PLANE: tl.constexpr = T * BLOCK_N
@@ -115,6 +115,10 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
         tl.store(iscr + tile, pt)
         tl.debug_barrier()
         # ---- token by token: x_t = P_t (D_t x_{t-1}) + b_t, the scatter as a one-hot reduction ----
+        # only loads in this loop (the states go into register tiles), so the unrolled loads issue ahead of the
+        # recurrence instead of waiting behind each token's stores
+        xr = tl.zeros((T, BLOCK_N), dtype=tl.float32)
+        xi = tl.zeros((T, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(T):
             o = i * BLOCK_N + n
             dr = tl.load(fscr + o)
@@ -132,12 +136,9 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
             live = c + i < L
             x_re = tl.where(live, nr, x_re)
             x_im = tl.where(live, ni, x_im)
-            tl.store(fscr + 4 * PLANE + o, x_re)
-            tl.store(fscr + 5 * PLANE + o, x_im)
-        tl.debug_barrier()
+            xr = tl.where(j[:, None] == i, x_re[None, :], xr)
+            xi = tl.where(j[:, None] == i, x_im[None, :], xi)
         # ---- the chunk's readout y = Re(C x) + D_skip u ----
-        xr = tl.load(fscr + 4 * PLANE + tile)
-        xi = tl.load(fscr + 5 * PLANE + tile)
         y = tl.dot(xr, c_re_w, input_precision=PRECISION) - tl.dot(xi, c_im_w, input_precision=PRECISION)
         y += skip[None, :] * u
         ycols = b.to(tl.int64) * sy_b + t[:, None].to(tl.int64) * sy_l + h * P + p[None, :]
@@ -151,8 +152,10 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     tl.store(lastim_ptr + seq * N + n, x_im, mask=nm)
 
 
-# Tokens per chunk and warps per program; bench/fused_middle.py times alternatives on the GPU.
-CONFIG = {"chunk": 16, "num_warps": 1}
+# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU); the one-kernel
+# path runs from min_pairs_per_sm (sequence, head) pairs per multiprocessor on (bench/layer_compare.py's kind
+# "pdssm-split" sets it out of reach to time the separate kernels).
+CONFIG = {"chunk": 16, "num_warps": 1, "min_pairs_per_sm": 4}
 MAX_STATE = 64   # the [N, N] one-hot step costs N^2 per token; larger states take the separate kernels
 
 
@@ -163,7 +166,7 @@ def middle_fwd_pays(batch: int, heads: int, state_size: int, length: int, device
         return False
     if length == 1 or torch.device(device).type != "cuda":   # off CUDA: only Triton's interpreter runs it
         return True
-    return batch * heads >= 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return batch * heads >= CONFIG["min_pairs_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def middle_fwd(proj, u, Bw, C, D_skip, decay_bias, P_dict, x0_re, x0_im, mask=None, b_gate=None,
@@ -191,7 +194,7 @@ def middle_fwd(proj, u, Bw, C, D_skip, decay_bias, P_dict, x0_re, x0_im, mask=No
         return y, last
     T = cfg["chunk"]
     bn = max(16, triton.next_power_of_2(N))
-    fscr = torch.empty(bsz * H * 6 * T * bn, device=dev, dtype=torch.float32)
+    fscr = torch.empty(bsz * H * 4 * T * bn, device=dev, dtype=torch.float32)
     iscr = torch.empty(bsz * H * T * bn, device=dev, dtype=torch.int32)
     mask_t = mask.to(torch.int8).contiguous() if mask is not None else iscr
     step = 2 * math.pi / phase_levels if phase_levels else 1.0
@@ -316,6 +319,11 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
         tl.store(iscr + tile, pt)
         tl.debug_barrier()
         # ---- token by token, last first: lam_t = dL/dx_t + conj(D_{t+1}) lam_{t+1}[P_{t+1}] (a gather) ----
+        # only loads in this loop; what it produces goes into register tiles (as in the forward)
+        gd_re = tl.zeros((T, BLOCK_N), dtype=tl.float32)
+        gd_im = tl.zeros((T, BLOCK_N), dtype=tl.float32)
+        lam_re = tl.zeros((T, BLOCK_N), dtype=tl.float32)
+        lam_im = tl.zeros((T, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(T):
             o = (T - 1 - i) * BLOCK_N + n
             dr = tl.load(fscr + o)
@@ -332,19 +340,13 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
             gli = tl.gather(li, dest, 0)
             carry_re = tl.where(live, dr * glr + di * gli, carry_re)
             carry_im = tl.where(live, dr * gli - di * glr, carry_im)
-            tl.store(fscr + o, xpr * glr + xpi * gli)                 # dL/dD = conj(x_{t-1}) lam[P]
-            tl.store(fscr + PLANE + o, xpr * gli - xpi * glr)
-            tl.store(fscr + 2 * PLANE + o, lr)                         # lam = dL/db
-            tl.store(fscr + 3 * PLANE + o, li)
-            tl.store(fscr + 4 * PLANE + o, dr * xpr - di * xpi)       # dx = D x_{t-1}
-            tl.store(fscr + 5 * PLANE + o, dr * xpi + di * xpr)
-        tl.debug_barrier()
-        gd_re = tl.load(fscr + tile)
-        gd_im = tl.load(fscr + PLANE + tile)
-        lam_re = tl.load(fscr + 2 * PLANE + tile)
-        lam_im = tl.load(fscr + 3 * PLANE + tile)
-        dx_re = tl.load(fscr + 4 * PLANE + tile)
-        dx_im = tl.load(fscr + 5 * PLANE + tile)
+            here = j[:, None] == T - 1 - i
+            gd_re = tl.where(here, (xpr * glr + xpi * gli)[None, :], gd_re)      # dL/dD = conj(x_{t-1}) lam[P]
+            gd_im = tl.where(here, (xpr * gli - xpi * glr)[None, :], gd_im)
+            lam_re = tl.where(here, lr[None, :], lam_re)                          # lam = dL/db
+            lam_im = tl.where(here, li[None, :], lam_im)
+        dx_re = d_re * xp_re - d_im * xp_im                                       # dx = D_t x_{t-1}
+        dx_im = d_re * xp_im + d_im * xp_re
         if HAS_MASK:   # padding steps used the identity, not a dictionary member: no straight-through signal
             dx_re = tl.where(keep, dx_re, 0.0)
             dx_im = tl.where(keep, dx_im, 0.0)
@@ -352,13 +354,19 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
         tl.store(lamim_ptr + xo, lam_im, mask=valid)
         tl.store(dxre_ptr + xo, dx_re, mask=valid)
         tl.store(dxim_ptr + xo, dx_im, mask=valid)
-        # selector sums r[t, k] = sum_m Re(conj(lam_t[P_dict[h, k, m]]) dx_t[m]), one gather per member
+        tl.debug_barrier()   # every thread is done with the scratch rows: dx takes their place
+        tl.store(fscr + tile, dx_re)
+        tl.store(fscr + PLANE + tile, dx_im)
+        tl.debug_barrier()
+        # selector sums r[t, k] = sum_m Re(conj(lam_t[P_dict[h, k, m]]) dx_t[m]): per source entry m one gather of
+        # lam's columns P_dict[h, :, m] times dx's column m, so nothing is summed across lanes
         r = tl.zeros((T, BLOCK_K), dtype=tl.float32)
-        for kk in tl.static_range(K):
-            idx = tl.load(pdict_ptr + (h * K + kk) * N + n, mask=nm, other=0)
-            idx = tl.broadcast_to(idx[None, :], (T, BLOCK_N))
-            rk = tl.sum(tl.gather(lam_re, idx, 1) * dx_re + tl.gather(lam_im, idx, 1) * dx_im, axis=1)
-            r = tl.where(k[None, :] == kk, rk[:, None], r)
+        for m in tl.static_range(N):
+            idx = tl.load(pdict_ptr + (h * K + k) * N + m, mask=km, other=0)
+            idx = tl.broadcast_to(idx[None, :], (T, BLOCK_K))
+            cr = tl.load(fscr + j * BLOCK_N + m)
+            cim = tl.load(fscr + PLANE + j * BLOCK_N + m)
+            r += tl.gather(lam_re, idx, 1) * cr[:, None] + tl.gather(lam_im, idx, 1) * cim[:, None]
         # the transition's backward: tempered softmax of the selector, polar and sigmoid derivatives
         sel = sel * inv_tau
         s = tl.exp(sel - tl.max(sel, axis=1)[:, None])
