@@ -1,5 +1,6 @@
-"""Checks and times the one-kernel middle of FlashPDSSM (ops/pd_select/triton_middle.py) on a GPU: its output
-against the torch reference path in float64, then forward (and forward + backward) times per launch config.
+"""Checks and times the one-kernel middle of FlashPDSSM (ops/pd_select/triton_middle.py) on a GPU, forced at every
+length: its output (and gradients, --backward) against the torch reference path in float64, then forward (and
+forward + backward) times per launch config, and (--profile) the top kernels of one step.
 
     python bench/fused_middle.py --batch 32 --lengths 2048 8192 [--backward] [--configs 16x1 32x1 16x2]
 """
@@ -61,10 +62,12 @@ def main() -> None:
     ap.add_argument("--bwd-configs", nargs="+", default=["16x4"], help="backward's chunk x warps")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one fwd+bwd per length")
+    ap.add_argument("--separate", action="store_true", help="time the separate kernels instead (the default path)")
     args = ap.parse_args()
     from llm_surgery.layers.registry import build_mixer
     from llm_surgery.ops.pd_select import triton_middle
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    triton_middle.CONFIG["min_pairs_per_sm"] = None if args.separate else 0   # the one-kernel path at every length
     if not args.no_check:
         check(backward=args.backward)
     torch.manual_seed(0)

@@ -65,10 +65,10 @@ def _assert_close(worst, tol):
 
 @pytest.fixture(params=[True, False], ids=["one-kernel", "separate-kernels"])
 def one_kernel(request, monkeypatch):
-    """Both forms of the fused op at test sizes: one kernel per (sequence, head) (forced: at these few sequences the
-    layer would take the separate kernels) and the separate kernels."""
+    """Both forms of the fused op: one kernel per (sequence, head) (forced at every length) and the separate
+    kernels (the default for more than one token)."""
     from llm_surgery.ops.pd_select import triton_middle
-    monkeypatch.setitem(triton_middle.CONFIG, "min_pairs_per_sm", 0 if request.param else float("inf"))
+    monkeypatch.setitem(triton_middle.CONFIG, "min_pairs_per_sm", 0 if request.param else None)
     return request.param
 
 

@@ -270,8 +270,8 @@ class FlashPDSSM(nn.Module):
         """Whether this call runs the fused op (see `backend`)."""
         if self.backend == "torch":
             return False
-        # with enough (sequence, head) pairs (a training batch, a decode step) the middle is one Triton kernel per
-        # pass, which needs no pd_scan extension
+        # where the middle runs as one Triton kernel per (sequence, head) (a decode step; triton_middle.py) it needs
+        # no pd_scan extension
         one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
                                                          u.device)
         ok = self.complex and fused.usable(u, triton_only=one_kernel)

@@ -11,8 +11,9 @@ per-token phases through a small per-program scratch that stays in L1/L2.
 
 Nothing state-sized goes through HBM except the states themselves, and only when the backward needs them
 (`store_states`); the separate transition, injection, scan and readout kernels wrote and re-read the D, P_t and
-b planes. One program walks one whole sequence, so this pays only with many (sequence, head) pairs (a training
-batch, a decode step of a batch); `middle_fwd_pays` says when. The same kernel at L = 1 is the decode step.
+b planes. One program walks one whole sequence, so it can pay only with many (sequence, head) pairs;
+`middle_fwd_pays` says when it runs. The same kernel at L = 1 is the decode step. `middle_bwd` is its backward,
+also one kernel per (sequence, head).
 """
 
 from __future__ import annotations
@@ -152,20 +153,26 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     tl.store(lastim_ptr + seq * N + n, x_im, mask=nm)
 
 
-# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU); the one-kernel
-# path runs from min_pairs_per_sm (sequence, head) pairs per multiprocessor on (bench/layer_compare.py's kind
-# "pdssm-split" sets it out of reach to time the separate kernels).
-CONFIG = {"chunk": 16, "num_warps": 1, "min_pairs_per_sm": 4}
+# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU). min_pairs_per_sm:
+# from how many (sequence, head) pairs per multiprocessor a sequence longer than one token takes this path; None:
+# single tokens only (decode). That is the default because it is what measurements support: on an H100 (bf16,
+# width 1024, B=32, L=2048) an earlier form of these kernels took 24.1 ms per layer forward + backward where the
+# separate kernels take 16.0-16.6; the present form (no stores inside the token loops, selector sums without
+# cross-lane reductions) is unmeasured. `bench/layer_compare.py --kinds pdssm pdssm-one` compares the two.
+CONFIG = {"chunk": 16, "num_warps": 1, "min_pairs_per_sm": None}
 MAX_STATE = 64   # the [N, N] one-hot step costs N^2 per token; larger states take the separate kernels
 
 
 def middle_fwd_pays(batch: int, heads: int, state_size: int, length: int, device: torch.device) -> bool:
-    """Whether the one-program-per-sequence kernel beats the separate kernels (whose scan splits a sequence into
-    chunks): enough (sequence, head) pairs to fill the GPU, or a single token (decode), and N <= MAX_STATE."""
+    """Whether the one-program-per-sequence kernels run instead of the separate ones (whose scan splits a sequence
+    into chunks): a single token (decode: one launch instead of ~20), or CONFIG["min_pairs_per_sm"] reached; and
+    N <= MAX_STATE."""
     if state_size > MAX_STATE:
         return False
     if length == 1 or torch.device(device).type != "cuda":   # off CUDA: only Triton's interpreter runs it
         return True
+    if CONFIG["min_pairs_per_sm"] is None:
+        return False
     return batch * heads >= CONFIG["min_pairs_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
