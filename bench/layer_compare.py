@@ -4,7 +4,8 @@ forward-only time, peak memory, and (--decode) one-token decode steps.
     PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 8 32 --lengths 1024 2048 4096 8192
 
 Layers (--kinds; all built in bf16, train mode, parameter-matched through the libraries' own knobs):
-  pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `backend="torch"`)
+  pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `backend="torch"`;
+                  pdssm-one: its middle as one kernel per (sequence, head) at every length, ops/pd_select/triton_middle.py)
   fla-deltanet    fla.layers.DeltaNet(num_heads=14, expand_k=expand_v=1.75) at width 1024 (7.38M vs 7.48M);
                   at other widths expand 1.75 and heads = width * 1.75 / 128
   mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
@@ -22,6 +23,7 @@ unless --quick-autotune). Peak: max_memory_allocated during one step minus what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata as md
 import importlib.util
@@ -60,10 +62,11 @@ def import_mamba2():
 def build(kind: str, width: int):
     """(label, module) for one --kinds entry."""
     torch.manual_seed(0)
-    if kind in ("pdssm", "pdssm-ref"):
+    if kind in ("pdssm", "pdssm-ref", "pdssm-one"):
         from llm_surgery.layers.registry import build_mixer
-        layer = build_mixer("pdssm", width, backend="auto" if kind == "pdssm" else "torch")
-        label = "FlashPDSSM" + (" (torch reference path)" if kind == "pdssm-ref" else "")
+        layer = build_mixer("pdssm", width, backend="torch" if kind == "pdssm-ref" else "auto")
+        label = "FlashPDSSM" + {"pdssm": "", "pdssm-ref": " (torch reference path)",
+                                "pdssm-one": " (one kernel per sequence and head at every length)"}[kind]
     elif kind == "fla-deltanet":
         from fla.layers import DeltaNet
         heads = 14 * width // 1024
@@ -98,6 +101,19 @@ def build(kind: str, width: int):
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return label, layer.cuda().to(torch.bfloat16).train()
+
+
+@contextlib.contextmanager
+def one_kernel(on: bool):
+    """FlashPDSSM's middle as one kernel per (sequence, head) at every length (on), or its default (off)."""
+    from llm_surgery.ops.pd_select import triton_middle
+    saved = triton_middle.CONFIG["min_pairs_per_sm"]
+    if on:
+        triton_middle.CONFIG["min_pairs_per_sm"] = 4
+    try:
+        yield
+    finally:
+        triton_middle.CONFIG["min_pairs_per_sm"] = saved
 
 
 def first(o):
@@ -235,7 +251,8 @@ def main():
             for kind, (label, layer) in layers.items():
                 x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 try:
-                    ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+                    with one_kernel(kind == "pdssm-one"):
+                        ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
                     row += [f"{ms:.2f} ({fwd:.2f})", f"{peak / 2**30:.2f}"]
                     if args.json:
                         with open(args.json, "a") as f:

@@ -21,16 +21,16 @@ GATES = (None, "sigmoid", "hard", "decay", "off")
 DRIFT = [(gate, {"unit_snap": 3e-3, "phase_levels": 12}) for gate in (None, "decay")]  # ~1/4 of |D| clamp
 
 
-def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23):
+def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cases=None, **sizes):
     """Relative deviations (fused vs torch path) per b-gate (and drift options) and padding case, of the outputs,
     the last state, the input and parameter gradients, and of the output computed in two calls that carry the
-    state."""
+    state. sizes: the layer's head / state / dictionary sizes (its defaults if not given)."""
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
     torch.manual_seed(0)
     worst = {}
-    for gate, opts in [(g, {}) for g in GATES] + DRIFT:
+    for gate, opts in cases or [(g, {}) for g in GATES] + DRIFT:
         for masked in (False, True):
-            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, backend="torch", **opts).to(
+            ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, backend="torch", **opts, **sizes).to(
                 device=device, dtype=dtype)
             fused = copy.deepcopy(ref)
             fused.backend = "kernel"   # the fused op, or an error: never a silent fall-back to the torch path
@@ -63,25 +63,47 @@ def _assert_close(worst, tol):
     assert not bad, f"fused path deviates from the torch path: {bad}"
 
 
+@pytest.fixture(params=[True, False], ids=["one-kernel", "separate-kernels"])
+def one_kernel(request, monkeypatch):
+    """Both forms of the fused op: one kernel per (sequence, head) (forced at every length) and the separate
+    kernels (the default for more than one token)."""
+    from llm_surgery.ops.pd_select import triton_middle
+    monkeypatch.setitem(triton_middle.CONFIG, "min_pairs_per_sm", 0 if request.param else None)
+    return request.param
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_path_matches_torch_path_cuda():
+def test_fused_path_matches_torch_path_cuda(one_kernel):
     from llm_surgery.layers import flash_pdssm_fused
     assert flash_pdssm_fused.usable(torch.zeros(1, device="cuda")), "CUDA present but the fused path cannot run"
     # a float32 layer runs exact float32 products on both paths (TF32 only for half-precision layers)
     _assert_close(_compare("cuda", torch.float32), 1e-5)
     _assert_close(_compare("cuda", torch.float32, width=256, L=700), 1e-5)
+    _assert_close(_compare("cuda", torch.float32, cases=[(None, {}), ("decay", DRIFT[1][1])], num_heads=4,
+                           state_size=20, dict_size=5), 1e-5)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_path_bf16_cuda():
+def test_fused_path_bf16_cuda(one_kernel):
     """bf16 layer (as benchmarked): the two paths round at different places (the fused readout is float32),
     so they agree to bf16 precision, not bit for bit."""
     _assert_close(_compare("cuda", torch.bfloat16, width=128, L=200), 5e-2)
 
 
-def test_fused_path_matches_torch_path_interpreted():
+# (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
+# drift option; odd sizes (N = 20, K = 5: not powers of two) run a subset
+INTERPRETED = [
+    (True, {}, None),
+    (False, {}, None),
+    (True, {"num_heads": 4, "state_size": 20, "dict_size": 5}, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]),
+]
+
+
+@pytest.mark.parametrize("one_kernel,sizes,cases", INTERPRETED)
+def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
+    """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences)."""
     pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
     code = textwrap.dedent("""
         import json, sys, torch
@@ -105,11 +127,12 @@ def test_fused_path_matches_torch_path_interpreted():
             return (*(out or planes), gx0)
 
         cuda.pd_scan_fwd_cuda_split, cuda.pd_scan_bwd_cuda_split = fwd, bwd
-        flash_pdssm_fused.usable = lambda u: True
+        flash_pdssm_fused.usable = lambda u, triton_only=False: True
+        flash_pdssm_fused.one_kernel_pays = lambda *args: {one_kernel!r}
         flash_pdssm_fused._FusedMiddle.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised
         from test_flash_pdssm_fused import _compare
-        print(json.dumps(_compare("cpu")))
-    """).format(tests=os.path.dirname(__file__))
+        print(json.dumps(_compare("cpu", cases={cases!r}, **{sizes!r})))
+    """).format(tests=os.path.dirname(__file__), one_kernel=one_kernel, cases=cases, sizes=sizes)
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -119,14 +142,16 @@ def test_fused_path_matches_torch_path_interpreted():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decode_steps_match_fused_forward_cuda():
-    """A decode step (one token, no autograd) takes the torch path; token by token from the carried state it must
-    give what the fused path gives for the whole sequence at once."""
+    """A decode step (one token, no autograd) runs the one-kernel forward at L = 1; token by token from the carried
+    state it must give what the torch path gives for the whole sequence at once."""
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
     torch.manual_seed(1)
     layer = FlashPDSSM(128, x_init_std=0.1).cuda()
     x = torch.randn(2, 9, 128, device="cuda")
     with torch.no_grad():
+        layer.backend = "torch"
         y_full = layer(x)
+        layer.backend = "kernel"
         state, ys = None, []
         for t in range(x.shape[1]):
             y, state = layer.step(x[:, t], state)

@@ -48,7 +48,7 @@ class FlashPDSSM(nn.Module):
     `backend`: "auto" (a complex layer on CUDA runs its middle as one fused op, `flash_pdssm_fused.py`, when the
     kernels can run; the torch path otherwise), "torch" (the torch path, the fused op's reference; its scan still
     uses the pd_scan CUDA kernels on CUDA tensors), or "kernel" (the fused op, an error where it cannot run).
-    Under every backend a one-token step without autograd (a decode step) takes the torch path.
+    A decode step (one token, no autograd) under "auto"/"kernel" is one Triton kernel for the middle.
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int | None = None,
@@ -252,11 +252,7 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        # one token without autograd (a decode step) takes the torch path: the fused op's per-call setup serves long
-        # sequences; at one token both are launch-bound (1.5 ms against 1.1-1.8 ms per layer step at batch 32 on
-        # an H100, bench/layer_compare.py --decode, within the run-to-run spread)
-        decode = u.shape[1] == 1 and not torch.is_grad_enabled()
-        if not decode and self._use_kernels(u):
+        if self._use_kernels(u):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
@@ -274,7 +270,11 @@ class FlashPDSSM(nn.Module):
         """Whether this call runs the fused op (see `backend`)."""
         if self.backend == "torch":
             return False
-        ok = self.complex and fused.usable(u)
+        # where the middle runs as one Triton kernel per (sequence, head) (a decode step; triton_middle.py) it needs
+        # no pd_scan extension
+        one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
+                                                         u.device)
+        ok = self.complex and fused.usable(u, triton_only=one_kernel)
         if not ok and self.backend == "kernel":
             raise RuntimeError("FlashPDSSM: backend='kernel' needs a complex layer and CUDA float32/bfloat16/float16 "
                                "inputs with the pd_scan kernels built and Triton importable; use backend='auto'")

@@ -12,6 +12,10 @@ complex tensor and no float32 copy of the projection is ever made; the backward 
 weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
 batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
 kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout.
+
+Second form, where `one_kernel_pays` (a single token, i.e. a decode step, by default): after the projection, each
+pass is one Triton kernel per (sequence, head) with the state on chip (`ops/pd_select/triton_middle.py`); the
+backward adds only the dictionary's grouped sum and the projection's products. It needs no pd_scan extension.
 CUDA only: `usable(u)` says whether it can run.
 """
 
@@ -24,10 +28,17 @@ from ..ops import fast_path
 from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
 
 
-def usable(u: torch.Tensor) -> bool:
-    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, the pd_scan
-    kernels built and Triton importable (`ops.fast_path`)."""
-    return fast_path.cuda_fast_path(u, dtypes=fast_path.FLOAT_DTYPES, scan_kernels=True, triton=True)
+def usable(u: torch.Tensor, triton_only: bool = False) -> bool:
+    """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, Triton
+    importable and (unless `triton_only`: where `one_kernel_pays`, which needs no pd_scan extension) the pd_scan
+    kernels built (`ops.fast_path`)."""
+    return fast_path.cuda_fast_path(u, dtypes=fast_path.FLOAT_DTYPES, scan_kernels=not triton_only, triton=True)
+
+
+def one_kernel_pays(batch: int, heads: int, state_size: int, length: int, device) -> bool:
+    """Whether the forward runs as one kernel per (sequence, head) (`ops/pd_select/triton_middle.py`)."""
+    from ..ops.pd_select.triton_middle import middle_fwd_pays
+    return middle_fwd_pays(batch, heads, state_size, length, device)
 
 
 def _batch_slices(B: int, bytes_per_sequence: int, budget: int):
@@ -87,10 +98,25 @@ class _FusedMiddle(torch.autograd.Function):
     def _slices(B, L, H, N, K, P, W):
         return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _FusedMiddle.SLICE_BYTES)
 
+    # the one-kernel path's programs each walk a whole sequence, so a launch needs this many (sequence, head) pairs
+    # per multiprocessor to keep the GPU busy: slices of ~11 sequences x 32 heads (2.6 a multiprocessor on an H100)
+    # made its kernels ~3x slower per step than their single-launch estimate (BENCHMARKS.md)
+    PAIRS_PER_SM = 8
+
     @staticmethod
-    def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels):
+    def _slices_one_kernel(B, L, H, N, P, W, device):
+        """Batch slices for the one-kernel path: as few as the memory budget allows (per sequence: the projection and
+        its gradient, the lam and dx planes, dL/du's part), but never so small that a launch leaves the GPU idle."""
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        per_sequence = L * H * (4 * W + 16 * N + 2 * P + 8)
+        fill = -(-_FusedMiddle.PAIRS_PER_SM * sms // H) * per_sequence
+        return _batch_slices(B, per_sequence, max(_FusedMiddle.SLICE_BYTES, fill))
+
+    @staticmethod
+    def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels, grad):
         from ..ops.pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..ops.pd_transition.triton_fused import transition_fwd_triton
+        from ..ops.pd_select import triton_middle
         from ..ops.pd_select.triton_readout import injection_fwd, readout_fwd
 
         if u.stride(-1) != 1:
@@ -104,14 +130,29 @@ class _FusedMiddle(torch.autograd.Function):
         precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
         Bf = Bw.float().contiguous()
-        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device)
-        x_im = torch.empty_like(x_re)
+        # one kernel per (sequence, head) where there are enough of them (triton_middle.py); else the separate
+        # transition, injection, scan and readout kernels. States are kept only for a backward.
+        one_kernel = one_kernel_pays(B, H, N, L, u.device)
+        keep_states = grad or not one_kernel   # (ctx.needs_input_grad is set under no_grad too)
+        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device) if keep_states else None
+        x_im = torch.empty_like(x_re) if keep_states else None
+        last_re = torch.empty(B, H, N, dtype=torch.float32, device=u.device)
+        last_im = torch.empty_like(last_re)
+        x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
         y = torch.empty_like(u)
-        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
+        slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
+                  else _FusedMiddle._slices(B, L, H, N, K, P, W))
+        for sl in slices:
             b = u[sl].shape[0]
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
-            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N,
-                                                       None if mask is None else mask[sl], unit_snap, phase_levels)
+            m = None if mask is None else mask[sl]
+            if one_kernel:
+                triton_middle.middle_fwd(proj, u[sl], Bf, Cf, skip, decay_bias, P_dict, x0_re[sl], x0_im[sl], m,
+                                         b_gate, unit_snap, phase_levels,
+                                         states=(x_re[sl], x_im[sl]) if keep_states else None, y=y[sl],
+                                         last=(last_re[sl], last_im[sl]), precision=precision)
+                continue
+            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
@@ -125,17 +166,77 @@ class _FusedMiddle(torch.autograd.Function):
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
             del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
+            last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
-        return y, x_re[:, :, -1].clone(), x_im[:, :, -1].clone()
+        ctx.one_kernel = one_kernel
+        return y, last_re, last_im
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
         # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
+        if ctx.one_kernel:
+            return _FusedMiddle._backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict,
+                                                     Bw, x0, x_re, x_im, C, D_skip, mask,
+                                                     "ieee" if u.dtype == torch.float32 else "tf32")
         return _FusedMiddle._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
                                               x0, x_re, x_im, C, D_skip, mask,
                                               "ieee" if u.dtype == torch.float32 else "tf32")
+
+    @staticmethod
+    def _backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C,
+                             D_skip, mask, precision):
+        """The backward of the one-kernel forward: per batch slice the projection again, then one kernel per
+        (sequence, head) (`triton_middle.middle_bwd`), the dictionary's grouped sum and the projection's products."""
+        from ..ops.pd_select import triton_middle
+        from ..ops.pd_select.triton_ste import dictionary_grad_from_dx
+
+        B, L, d = u.shape
+        H, K, N = M.shape[:3]
+        P = C.shape[1]
+        W = Wx.shape[0] // H
+        dev = u.device
+        Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
+        Wu = Wx.to(u.dtype)
+        if g_y is None:
+            g_y = torch.zeros_like(u)
+        elif g_y.stride(-1) != 1:
+            g_y = g_y.contiguous()
+        g_last = None
+        if g_last_re is not None or g_last_im is not None:
+            zero = torch.zeros(B, H, N, device=dev, dtype=torch.float32)
+            g_last = (zero if g_last_re is None else g_last_re.float(), zero if g_last_im is None else g_last_im.float())
+        x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
+        gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
+        G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
+        gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
+        gskip = torch.zeros(H, P, dtype=torch.float32, device=dev)
+        gbias = torch.zeros(H * N, dtype=torch.float32, device=dev)
+        gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
+        g_u = torch.empty_like(u)
+        gBw = None if ctx.b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
+        for sl in _FusedMiddle._slices_one_kernel(B, L, H, N, P, W, dev):
+            b = u[sl].shape[0]
+            proj = F.linear(u[sl], Wu).view(b, L, H, W)
+            gproj, g_ub, lam, dx, kstar, (gr, gi) = triton_middle.middle_bwd(
+                proj, u[sl], g_y[sl], (x_re[sl], x_im[sl]), (x0_re[sl], x0_im[sl]),
+                None if g_last is None else (g_last[0][sl], g_last[1][sl]), Bf, Cf, skip, decay_bias, P_dict,
+                gC, gskip, gBw, gbias, ctx.tau, None if mask is None else mask[sl], ctx.b_gate, ctx.unit_snap,
+                ctx.phase_levels, precision)
+            del proj
+            gx0[sl] = torch.complex(gr, gi)
+            G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
+            del lam, dx, kstar
+            gp = gproj.view(b * L, H * W)
+            gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            del gproj, gp, g_ub
+        gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
+        gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
+        gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
+        return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
+                gskip.to(D_skip.dtype), None, None, None, None, None, None)
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
@@ -214,7 +315,7 @@ class _FusedMiddle(torch.autograd.Function):
         gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
         gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
         return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
-                gskip.to(D_skip.dtype), None, None, None, None, None)
+                gskip.to(D_skip.dtype), None, None, None, None, None, None)
 
 
 def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
@@ -265,5 +366,6 @@ def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M:
     if unit_snap < 0 or phase_levels < 0:
         raise ValueError(f"fused_middle: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
                          f"{phase_levels}")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, Wx, decay_bias, M, Bw, x0, C, D_skip))
     return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate,
-                                      float(unit_snap), int(phase_levels))
+                              float(unit_snap), int(phase_levels), grad)

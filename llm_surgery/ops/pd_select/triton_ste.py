@@ -99,7 +99,7 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
                             work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                             SEG: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
-                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
+                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr, DX_GIVEN: tl.constexpr = False):
     item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
     tile = tl.program_id(1)
     tile_n = tile // TILES
@@ -125,8 +125,14 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
         x0_off = bb.to(tl.int64) * x0_sb + h * x0_sh
         lmask = valid[:, None] & (n[None, :] < N)
         ln = base[:, None] + ll[:, None] * s_l + n[None, :] * s_n
-        cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
-                            x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
+        if DX_GIVEN:   # the x planes hold dx itself (the fused backward wrote it)
+            cm = valid[:, None] & (m[None, :] < N)
+            co = base[:, None] + ll[:, None] * s_l + m[None, :] * s_n
+            cre = tl.load(x_re + co, mask=cm, other=0.0)
+            cim = tl.load(x_im + co, mask=cm, other=0.0)
+        else:
+            cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
+                                x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
         a = tl.load(lam_re + ln, mask=lmask, other=0.0)
         acc += tl.dot(tl.trans(a), cre, input_precision=PRECISION)
         if COMPLEX:
@@ -204,8 +210,18 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
     return r
 
 
+def dictionary_grad_from_dx(kstar: torch.Tensor, lam, dx, K: int, precision: str = "ieee") -> torch.Tensor:
+    """G [H,K,N,N] float32 from lam and dx = D_t x_{t-1} given as (re, im) float32 planes [B,H,L,N] of one shape and
+    strides (dx zero at padding): the dictionary sum for a caller that already has dx (the fused backward)."""
+    (lre, lim), (xre, xim) = lam, dx
+    B, H, L, N = lre.shape
+    planes = (lre, lim, xre, xim, xre, xim, xre, xim, kstar)
+    return _dictionary(planes, kstar, B, H, L, N, K, lre.stride(), (0, 0, 0), True, False, False,
+                       max(16, triton.next_power_of_2(N)), DICTIONARY_CONFIG, precision, dx_given=True)
+
+
 def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
-                precision="ieee"):
+                precision="ieee", dx_given=False):
     device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
@@ -230,5 +246,5 @@ def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0,
         _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
             *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
             K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision, COMPLEX=cplx, HAS_X0=has_x0,
-            HAS_MASK=has_mask, num_warps=dcfg["num_warps"])
+            HAS_MASK=has_mask, DX_GIVEN=dx_given, num_warps=dcfg["num_warps"])
     return G
