@@ -48,7 +48,8 @@ class FlashPDSSM(nn.Module):
     `backend`: "auto" (a complex layer on CUDA runs its middle as one fused op, `flash_pdssm_fused.py`, when the
     kernels can run; the torch path otherwise), "torch" (the torch path, the fused op's reference; its scan still
     uses the pd_scan CUDA kernels on CUDA tensors), or "kernel" (the fused op, an error where it cannot run).
-    A decode step (one token, no autograd) under "auto"/"kernel" is one Triton kernel for the middle.
+    A decode step (one token, no autograd) takes the torch path, or one Triton kernel for the middle where
+    `ops.pd_select.triton_middle.CONFIG["decode"]` is on (opt-in until measured on a GPU in its present form).
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int | None = None,
@@ -252,7 +253,10 @@ class FlashPDSSM(nn.Module):
         elif x0.shape != (Bsz, self.num_heads, self.state_size):
             raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
                              f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
-        if self._use_kernels(u):
+        # a decode step (one token, no autograd) takes the torch path unless the one-kernel middle runs it
+        # (triton_middle.CONFIG["decode"]): the separate kernels' per-call setup serves long sequences
+        decode = u.shape[1] == 1 and not torch.is_grad_enabled()
+        if self._use_kernels(u, decode):
             return self._fused_scan_and_read(u, attention_mask, x0)
         sel, D, b = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
@@ -266,14 +270,16 @@ class FlashPDSSM(nn.Module):
                         check_values=False)   # argmaxes: in range by construction, no host sync
         return self._readout(x, u), x[:, :, -1]
 
-    def _use_kernels(self, u: torch.Tensor) -> bool:
+    def _use_kernels(self, u: torch.Tensor, decode: bool = False) -> bool:
         """Whether this call runs the fused op (see `backend`)."""
         if self.backend == "torch":
             return False
-        # where the middle runs as one Triton kernel per (sequence, head) (a decode step; triton_middle.py) it needs
-        # no pd_scan extension
+        # where the middle runs as one Triton kernel per (sequence, head) (triton_middle.py) it needs no pd_scan
+        # extension
         one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
                                                          u.device)
+        if decode and not one_kernel:
+            return False
         ok = self.complex and fused.usable(u, triton_only=one_kernel)
         if not ok and self.backend == "kernel":
             raise RuntimeError("FlashPDSSM: backend='kernel' needs a complex layer and CUDA float32/bfloat16/float16 "

@@ -159,18 +159,23 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
 # width 1024, B=32, L=2048) an earlier form of these kernels took 24.1 ms per layer forward + backward where the
 # separate kernels take 16.0-16.6; the present form (no stores inside the token loops, selector sums without
 # cross-lane reductions) is unmeasured. `bench/layer_compare.py --kinds pdssm pdssm-one` compares the two.
-CONFIG = {"chunk": 16, "num_warps": 1, "min_pairs_per_sm": None}
+# decode / min_pairs_per_sm: where these kernels replace the separate ones. Off by default until the present form
+# is measured on a GPU (its first form was; docs/kernels.md): decode=True runs a one-token step here,
+# min_pairs_per_sm=k runs longer sequences here once batch x heads >= k x the multiprocessors.
+CONFIG = {"chunk": 16, "num_warps": 1, "decode": False, "min_pairs_per_sm": None}
 MAX_STATE = 64   # the [N, N] one-hot step costs N^2 per token; larger states take the separate kernels
 
 
 def middle_fwd_pays(batch: int, heads: int, state_size: int, length: int, device: torch.device) -> bool:
     """Whether the one-program-per-sequence kernels run instead of the separate ones (whose scan splits a sequence
-    into chunks): a single token (decode: one launch instead of ~20), or CONFIG["min_pairs_per_sm"] reached; and
-    N <= MAX_STATE."""
+    into chunks): with CONFIG["decode"], a single token (one launch instead of ~20), or CONFIG["min_pairs_per_sm"]
+    reached; and N <= MAX_STATE."""
     if state_size > MAX_STATE:
         return False
-    if length == 1 or torch.device(device).type != "cuda":   # off CUDA: only Triton's interpreter runs it
+    if torch.device(device).type != "cuda":   # off CUDA: only Triton's interpreter runs it
         return True
+    if length == 1:
+        return bool(CONFIG["decode"])
     if CONFIG["min_pairs_per_sm"] is None:
         return False
     return batch * heads >= CONFIG["min_pairs_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
