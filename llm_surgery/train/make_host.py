@@ -107,40 +107,35 @@ def build(seed: int = 0, **overrides):
     return model, tokenizer
 
 
-def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
-                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
-    """AdamW (wd 0.1), 5% warm-up then cosine to 0.1x over `steps`; stops at `max_seconds`. Returns the curve."""
-    from .schedule import build_scheduler
-
-    log = log or logger.info
-
-    data = encode_docs(tokenizer, docs)
-    g = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    sched = build_scheduler(opt, steps, 0.05, "cosine", 0.1)
-    model.train()
-    curve, t0, order = [], time.time(), []
-    for step in range(1, steps + 1):
+def shuffled_batches(data: list[list[int]], batch_size: int, seed: int):
+    """Endless batches of `batch_size` sequences: one random permutation after another, a batch running on into
+    the next permutation where one ends (the shipped host's data order)."""
+    g, order = random.Random(seed), []
+    while True:
         if len(order) < batch_size:
             order += g.sample(range(len(data)), len(data))
         idx, order = order[:batch_size], order[batch_size:]
-        out = model(**_batch([data[i] for i in idx]), use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        over = time.time() - t0 > max_seconds or step == stop_at
-        if step % eval_every == 0 or step == steps or over:
-            acc = restatement_accuracy(model, tokenizer, eval_docs)
-            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(out.loss.item(), 4),
-                          "restatement_accuracy": round(acc, 4)})
-            log(f"  step {step}: loss {out.loss.item():.4f}, restated objects right {100 * acc:.1f}% "
-                f"({time.time() - t0:.0f} s)")
-        if over:
-            log(f"  stopping at step {step}" + ("" if step == stop_at else f": over the {max_seconds:.0f} s budget"))
-            break
-    model.eval()
+        yield _batch([data[i] for i in idx])
+
+
+def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
+                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
+    """The host pretraining loop on documents (5% warm-up then cosine to 0.1x over `steps`), stopping at
+    `max_seconds`; returns the curve of loss and restatement accuracy."""
+    from .host import train_all_weights
+
+    log = log or logger.info
+    curve, t0 = [], time.time()
+
+    def on_eval(step: int, loss: float) -> None:
+        acc = restatement_accuracy(model, tokenizer, eval_docs)
+        curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(loss, 4),
+                      "restatement_accuracy": round(acc, 4)})
+        log(f"  step {step}: restated objects right {100 * acc:.1f}%")
+
+    train_all_weights(model, shuffled_batches(encode_docs(tokenizer, docs), batch_size, seed), steps=steps, lr=lr,
+                      warmup_ratio=0.05, min_lr_ratio=0.1, log=log, log_every=eval_every, on_eval=on_eval,
+                      eval_every=eval_every, max_seconds=max_seconds, stop_at=stop_at)
     return curve
 
 
