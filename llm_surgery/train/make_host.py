@@ -139,10 +139,8 @@ def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: flo
     return curve
 
 
-def main(argv: list[str] | None = None) -> None:
-    from llm_surgery.box_data import generate_split, signature_partition
-
-    from .host import HASHES, SHIPPED_HOST, file_sha256
+def parser():
+    from .host import SHIPPED_HOST
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(SHIPPED_HOST))
@@ -157,7 +155,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec", default="{}", help="JSON overrides of SPEC (tiny_config fields)")
     p.add_argument("--init", default=None, help="continue from this saved host (a second session); its spec wins")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
-    args = p.parse_args(argv)
+    return p
+
+
+def save_host(out: Path, model, tokenizer, record: dict) -> None:
+    """The host, its host.json and SHA256SUMS, written beside `out` and renamed onto it (never half-written)."""
+    from .host import HASHES, file_sha256
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "host.json").write_text(json.dumps(record, indent=2))
+    (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from llm_surgery.box_data import generate_split, signature_partition
+
+    args = parser().parse_args(argv)
     show_messages()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,11 +202,6 @@ def main(argv: list[str] | None = None) -> None:
                           max_seconds=60 * args.minutes or float("inf"), steps=args.steps, seed=args.seed,
                           stop_at=args.stop_at)
     seconds = time.time() - t1
-    out = Path(args.out)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     record = {"architecture": "GraniteMoeHybridForCausalLM", "spec": spec, "parameters": n,
               "documents": len(docs), "sequences": args.sequences, "doc_seed": args.doc_seed, "seed": args.seed,
               "batch_size": args.batch_size, "lr": args.lr, "schedule_steps": args.steps,
@@ -196,12 +209,9 @@ def main(argv: list[str] | None = None) -> None:
               "device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "curve": curve, "command": "python -m llm_surgery.train.make_host " + " ".join(argv or sys.argv[1:])}
     record["sessions"] = [*before, {k: v for k, v in record.items() if k != "sessions"}]
-    (tmp / "host.json").write_text(json.dumps(record, indent=2))
-    (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    out = Path(args.out)
+    save_host(out, model, tokenizer, record)
     logger.info(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after {seconds:.0f} s")
-
 
 if __name__ == "__main__":
     main()
