@@ -27,8 +27,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from llm_surgery.insert import count_parameters, insert_layers, set_tau
-
 from .artifact import save_final
 from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
                          resolve_checkpoint, save_checkpoint)
@@ -246,6 +244,8 @@ def _build_model(cfg: TrainConfig, accelerator, log):
     source."""
     from accelerate.utils import set_seed
 
+    from llm_surgery.insert import count_parameters, insert_layers, set_tau
+
     set_seed(cfg.seed)
     model, tokenizer, host_desc = load_host(cfg, accelerator, log)
     set_seed(cfg.seed)
@@ -374,6 +374,8 @@ def _step(r: _Run, step: int):
     cfg, acc = r.cfg, r.accelerator
     tau = None if cfg.tau_end is None else tau_at(step, r.total_steps, cfg.tau, cfg.tau_end)
     if tau is not None:  # a function of the step: a resumed run continues the same schedule
+        from llm_surgery.insert import set_tau
+
         set_tau(acc.unwrap_model(r.model), tau)
     loss_sum, step_tokens = torch.zeros((), device=acc.device), 0
     for micro in range(cfg.grad_accum):
