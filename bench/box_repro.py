@@ -151,7 +151,7 @@ def pretrain_host(args, out: Path, log) -> Path:
     from llm_surgery.train.data import make_splits
     from llm_surgery.train.evaluate import evaluate
     from llm_surgery.train.host import pretrain
-    from llm_surgery.train.trainer import make_accelerator
+    from llm_surgery.train.setup import make_accelerator
 
     tok = build_box_tokenizer()
     model = build_host(args, len(tok))
@@ -165,7 +165,7 @@ def pretrain_host(args, out: Path, log) -> Path:
         f"{len(records):,} train examples")
     curve = []
 
-    def on_eval(step):
+    def on_eval(step, loss):
         with accelerator.autocast():  # as the trainer's prepared model evaluates
             res = evaluate(accelerator, model, tok, sets["validation"], 6)
         curve.append({"step": step, "accuracy": res["accuracy"], "token_accuracy": res["token_accuracy"]})

@@ -45,6 +45,27 @@ def test_shipped_host_reads_descriptions_but_was_never_taught_the_answers():
     assert restatement_accuracy(model, tok, docs) > 0.5
 
 
+
+def test_make_host_pretrains_on_whole_permutations_and_stops_where_told():
+    """`make_host`'s recipe through the shared host loop: each permutation of the documents is used whole before
+    the next (a batch runs on into the next one), and `--stop-at` ends the run with a last evaluation."""
+    from llm_surgery.box_data import generate_split, signature_partition
+    from llm_surgery.train.make_host import build, documents, encode_docs, pretrain_docs, shuffled_batches
+
+    model, tok = build(0)
+    train = generate_split("train", 4, 6, seed=1, signatures=signature_partition(2255)["train"])
+    docs = documents(train, random.Random(0))
+    data = encode_docs(tok, docs)
+    stream = shuffled_batches(data, 5, seed=0)
+    rows = [tuple(r[m.bool()].tolist()) for b in (next(stream) for _ in range(-(-2 * len(data) // 5)))
+            for r, m in zip(b["input_ids"], b["attention_mask"])]
+    assert sorted(rows[:len(data)]) == sorted(rows[len(data):2 * len(data)]) == sorted(map(tuple, data))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    curve = pretrain_docs(model, tok, docs, docs[:4], batch_size=4, lr=3e-3, max_seconds=float("inf"), steps=10,
+                          seed=0, log=lambda msg: None, eval_every=3, stop_at=5)
+    assert [c["step"] for c in curve] == [3, 5] and all(c["loss"] > 0 for c in curve)
+    assert not model.training and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
 def _corrupt_copy(tmp_path) -> Path:
     bad = tmp_path / "box_host"
     shutil.copytree(SHIPPED_HOST, bad)

@@ -381,7 +381,7 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes(tmp_path, tiny_host_
 
 def test_fsdp_without_gpus_is_a_clear_error():
     """Accelerate runs FSDP only on accelerators; on CPU it would quietly fall back to plain DDP."""
-    from llm_surgery.train.trainer import make_accelerator
+    from llm_surgery.train.setup import make_accelerator
     with pytest.raises(ValueError, match="--fsdp needs"):
         make_accelerator(TrainConfig(fsdp=True, cpu=True))
 
@@ -512,7 +512,7 @@ def test_bf16_autocast_path_like_a_gpu(tmp_path, tiny_host_dir):
 
 def test_mixed_precision_flag_then_accelerate_config_then_auto():
     from llm_surgery.train.config import UsageError
-    from llm_surgery.train.trainer import resolve_precision
+    from llm_surgery.train.setup import resolve_precision
 
     env = {"ACCELERATE_MIXED_PRECISION": "BF16"}  # what accelerate launch exports from its config or its flag
     assert resolve_precision(None, False, env)[0] == "bf16"
@@ -577,7 +577,7 @@ def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
 
     from llm_surgery.insert import insert_layers, inserted_layers
     from llm_surgery.train.host import load_pretrained
-    from llm_surgery.train.trainer import mark_trainable, upcast_trainable
+    from llm_surgery.train.setup import mark_trainable, upcast_trainable
 
     model, _ = load_pretrained(str(tiny_host_dir), torch.bfloat16, torch.device("cpu"))
     insert_layers(model, "pdssm", 1)

@@ -15,6 +15,7 @@ import torch
 from llm_surgery.box_data import IGNORE_INDEX, BoxCollator, greedy_complete, is_correct, score
 
 from .data import TokenizedBox
+from .setup import make_accelerator, mark_trainable, upcast_trainable, use_cuda_kernels
 
 
 class EvalSet:
@@ -126,8 +127,6 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     cfg = TrainConfig(**{**json.loads((run_dir / "config.json").read_text()), "fsdp": False, "resume": None})
     if cfg.random_init_config:
         raise ValueError(f"{run_dir} trained on a random-init host that was never saved; nothing to reload")
-    from .trainer import make_accelerator, mark_trainable, upcast_trainable, use_cuda_kernels
-
     accelerator = accelerator or make_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
     use_cuda_kernels(cfg, accelerator, log=lambda msg: None)  # the run's kernels, as it evaluated with them

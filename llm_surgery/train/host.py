@@ -284,32 +284,46 @@ def pretrain_host(cfg, log=logger.info) -> Path:
 
 
 def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: float, seed: int = 0,
-             warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0, all_tokens: bool = False,
-             device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None, log=logger.info,
-             log_every: int = 50, on_eval=None, eval_every: int = 0, max_seconds: float | None = None) -> float:
-    """Train every weight of `model` on Box `records` (AdamW, weight decay 0.1, clipping 1.0, linear warm-up then
-    cosine to `min_lr_ratio` x lr); returns the last loss. `all_tokens` puts the loss on every real token (the
-    context too, where naming the box of a moved object is itself a state-tracking target) instead of on the
-    completion only. `on_eval(step)` is called every `eval_every` steps and at the end (model in eval mode).
-    `max_seconds` ends training early (a wall-clock budget; the schedule is not stretched to fit)."""
+             all_tokens: bool = False, device: torch.device | str = "cpu", **loop) -> float:
+    """Train every weight of `model` on Box `records` (`train_all_weights`); returns the last loss. `all_tokens`
+    puts the loss on every real token (the context too, where naming the box of a moved object is itself a
+    state-tracking target) instead of on the completion only."""
     from llm_surgery.box_data import BoxCollator
 
     from .data import ShardedBatchSampler, TokenizedBox
-    from .schedule import build_scheduler
 
-    device = torch.device(device)
-    model.to(device).train()
     data = TokenizedBox(tokenizer, records)
     sampler = ShardedBatchSampler(len(data), batch_size, 0, 1, seed)
     loader = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler,
                                               collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)))
+
+    def batches():
+        for batch in loader:
+            if all_tokens:
+                batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            yield batch
+
+    return train_all_weights(model, batches(), steps=steps, lr=lr, device=device, **loop)
+
+
+def train_all_weights(model, batches, *, steps: int, lr: float, warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0,
+                      device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None,
+                      log=logger.info, log_every: int = 50, on_eval=None, eval_every: int = 0,
+                      max_seconds: float | None = None, stop_at: int = 0) -> float:
+    """The host pretraining loop (the embedded host's, the shipped host's in `make_host`, the benchmark's): every
+    weight trains on `batches` (dicts with labels) with AdamW (weight decay 0.1), clipping at 1.0 and a linear
+    warm-up then cosine to `min_lr_ratio` x lr over `steps`; returns the last logged loss. It ends early after
+    `stop_at` steps or past `max_seconds` (a wall-clock budget; the schedule is not stretched to fit).
+    `on_eval(step, loss)` is called every `eval_every` steps and at the end, with the model in eval mode."""
+    from .schedule import build_scheduler
+
+    device = torch.device(device)
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     sched = build_scheduler(opt, steps, warmup_ratio, "cosine", min_lr_ratio)
     t0, loss = time.time(), float("nan")
-    for step in range(steps):
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
-        if all_tokens:
-            batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    for done in range(1, steps + 1):
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = model(**batch, use_cache=False)
         out.loss.backward()
@@ -317,15 +331,18 @@ def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: floa
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        done = step + 1
-        last = done == steps or (max_seconds is not None and time.time() - t0 > max_seconds)
-        if done % log_every == 0 or last:
+        over = max_seconds is not None and time.time() - t0 > max_seconds
+        last = done == steps or done == stop_at or over
+        evaluating = on_eval is not None and ((eval_every and done % eval_every == 0) or last)
+        if done % log_every == 0 or last or evaluating:
             loss = out.loss.item()
+        if done % log_every == 0 or last:
+            stop = f"over the {max_seconds:.0f} s budget" if over else f"--stop-at {stop_at}"
             log(f"  pretrain step {done}/{steps} loss {loss:.4f} ({time.time() - t0:.0f}s)"
-                + ("" if done == steps else f"; stopping: over the {max_seconds:.0f} s budget" if last else ""))
-        if on_eval is not None and ((eval_every and done % eval_every == 0) or last):
+                + ("" if done == steps else f"; stopping: {stop}" if last else ""))
+        if evaluating:
             model.eval()
-            on_eval(done)
+            on_eval(done, loss)
             model.train()
         if last:
             break

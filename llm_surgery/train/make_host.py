@@ -107,47 +107,40 @@ def build(seed: int = 0, **overrides):
     return model, tokenizer
 
 
-def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
-                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
-    """AdamW (wd 0.1), 5% warm-up then cosine to 0.1x over `steps`; stops at `max_seconds`. Returns the curve."""
-    from .schedule import build_scheduler
-
-    log = log or logger.info
-
-    data = encode_docs(tokenizer, docs)
-    g = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    sched = build_scheduler(opt, steps, 0.05, "cosine", 0.1)
-    model.train()
-    curve, t0, order = [], time.time(), []
-    for step in range(1, steps + 1):
+def shuffled_batches(data: list[list[int]], batch_size: int, seed: int):
+    """Endless batches of `batch_size` sequences: one random permutation after another, a batch running on into
+    the next permutation where one ends (the shipped host's data order)."""
+    g, order = random.Random(seed), []
+    while True:
         if len(order) < batch_size:
             order += g.sample(range(len(data)), len(data))
         idx, order = order[:batch_size], order[batch_size:]
-        out = model(**_batch([data[i] for i in idx]), use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        over = time.time() - t0 > max_seconds or step == stop_at
-        if step % eval_every == 0 or step == steps or over:
-            acc = restatement_accuracy(model, tokenizer, eval_docs)
-            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(out.loss.item(), 4),
-                          "restatement_accuracy": round(acc, 4)})
-            log(f"  step {step}: loss {out.loss.item():.4f}, restated objects right {100 * acc:.1f}% "
-                f"({time.time() - t0:.0f} s)")
-        if over:
-            log(f"  stopping at step {step}" + ("" if step == stop_at else f": over the {max_seconds:.0f} s budget"))
-            break
-    model.eval()
+        yield _batch([data[i] for i in idx])
+
+
+def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
+                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
+    """The host pretraining loop on documents (5% warm-up then cosine to 0.1x over `steps`), stopping at
+    `max_seconds`; returns the curve of loss and restatement accuracy."""
+    from .host import train_all_weights
+
+    log = log or logger.info
+    curve, t0 = [], time.time()
+
+    def on_eval(step: int, loss: float) -> None:
+        acc = restatement_accuracy(model, tokenizer, eval_docs)
+        curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(loss, 4),
+                      "restatement_accuracy": round(acc, 4)})
+        log(f"  step {step}: restated objects right {100 * acc:.1f}%")
+
+    train_all_weights(model, shuffled_batches(encode_docs(tokenizer, docs), batch_size, seed), steps=steps, lr=lr,
+                      warmup_ratio=0.05, min_lr_ratio=0.1, log=log, log_every=eval_every, on_eval=on_eval,
+                      eval_every=eval_every, max_seconds=max_seconds, stop_at=stop_at)
     return curve
 
 
-def main(argv: list[str] | None = None) -> None:
-    from llm_surgery.box_data import generate_split, signature_partition
-
-    from .host import HASHES, SHIPPED_HOST, file_sha256
+def parser():
+    from .host import SHIPPED_HOST
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(SHIPPED_HOST))
@@ -162,7 +155,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec", default="{}", help="JSON overrides of SPEC (tiny_config fields)")
     p.add_argument("--init", default=None, help="continue from this saved host (a second session); its spec wins")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
-    args = p.parse_args(argv)
+    return p
+
+
+def save_host(out: Path, model, tokenizer, record: dict) -> None:
+    """The host, its host.json and SHA256SUMS, written beside `out` and renamed onto it (never half-written)."""
+    from .host import HASHES, file_sha256
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "host.json").write_text(json.dumps(record, indent=2))
+    (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from llm_surgery.box_data import generate_split, signature_partition
+
+    args = parser().parse_args(argv)
     show_messages()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,11 +202,6 @@ def main(argv: list[str] | None = None) -> None:
                           max_seconds=60 * args.minutes or float("inf"), steps=args.steps, seed=args.seed,
                           stop_at=args.stop_at)
     seconds = time.time() - t1
-    out = Path(args.out)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     record = {"architecture": "GraniteMoeHybridForCausalLM", "spec": spec, "parameters": n,
               "documents": len(docs), "sequences": args.sequences, "doc_seed": args.doc_seed, "seed": args.seed,
               "batch_size": args.batch_size, "lr": args.lr, "schedule_steps": args.steps,
@@ -201,12 +209,9 @@ def main(argv: list[str] | None = None) -> None:
               "device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "curve": curve, "command": "python -m llm_surgery.train.make_host " + " ".join(argv or sys.argv[1:])}
     record["sessions"] = [*before, {k: v for k, v in record.items() if k != "sessions"}]
-    (tmp / "host.json").write_text(json.dumps(record, indent=2))
-    (tmp / HASHES).write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(tmp.iterdir())))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    out = Path(args.out)
+    save_host(out, model, tokenizer, record)
     logger.info(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after {seconds:.0f} s")
-
 
 if __name__ == "__main__":
     main()

@@ -20,12 +20,14 @@ import math
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .artifact import lora_config, save_final
+from .artifact import save_final
 from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
                          resolve_checkpoint, save_checkpoint)
 from .config import TrainConfig, UsageError
@@ -35,128 +37,14 @@ from .messages import logger
 from .metrics import MetricsLog, Throughput, print_results, truncate_after
 from .profile import StepProfile, profile_table
 from .schedule import build_scheduler, tau_at
+from .setup import add_lora, load_host, make_accelerator, mark_trainable, upcast_trainable, use_cuda_kernels
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm is not finite: the run stops before applying that update."""
 
 
-# ---------------------------------------------------------------- setup
-
-def resolve_precision(flag: str | None, on_cuda: bool, env=os.environ) -> tuple[str, str]:
-    """(mixed precision, where it came from): the --mixed-precision flag, else Accelerate's setting (`accelerate
-    config` or `accelerate launch --mixed_precision` reach the process as ACCELERATE_MIXED_PRECISION), else auto;
-    auto is bf16 on CUDA and no on the CPU."""
-    source = "--mixed-precision"
-    if flag is None and env.get("ACCELERATE_MIXED_PRECISION"):
-        flag, source = env["ACCELERATE_MIXED_PRECISION"].lower(), "Accelerate's config (ACCELERATE_MIXED_PRECISION)"
-        if flag not in ("no", "bf16", "fp16"):
-            raise UsageError(f"Accelerate's config sets mixed precision {flag!r} (ACCELERATE_MIXED_PRECISION), which "
-                             "this trainer does not support; use no, bf16 or fp16 (accelerate config, or "
-                             "--mixed-precision)")
-    elif flag is None:
-        flag, source = "auto", "default"
-    if flag == "auto":
-        return ("bf16" if on_cuda else "no"), f"{source}: auto"
-    return flag, source
-
-
-def make_accelerator(cfg: TrainConfig):
-    """The run's Accelerator. DDP: only the trainable tensors are in its buckets (frozen ones have requires_grad
-    False); gradients are views of the buckets (no copy in and out); buffers are not broadcast before every
-    forward (the host's and the inserted layers' buffers are the same on every rank); a static graph when every
-    step runs the same graph with one backward."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    on_cuda = torch.cuda.is_available() and not cfg.cpu and os.environ.get("ACCELERATE_USE_CPU", "").lower() \
-        not in ("1", "true", "yes")
-    precision, source = resolve_precision(cfg.mixed_precision, on_cuda)
-    kwargs = dict(cpu=cfg.cpu or not on_cuda, mixed_precision=precision)
-    if cfg.fsdp:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-            state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)
-    else:
-        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(
-            find_unused_parameters=False, gradient_as_bucket_view=True, broadcast_buffers=False,
-            bucket_cap_mb=cfg.ddp_bucket_mb, static_graph=cfg.grad_accum == 1 and not cfg.gradient_checkpointing)]
-    accelerator = Accelerator(**kwargs)
-    accelerator.precision_source = source
-    if cfg.fsdp and accelerator.distributed_type.value != "FSDP":
-        raise UsageError(f"--fsdp needs 2 or more GPU processes (Accelerate shards only on accelerators); this "
-                         f"launch gives {accelerator.num_processes} process(es) of type "
-                         f"{accelerator.distributed_type.value}. Launch with accelerate launch --num_processes N.")
-    return accelerator
-
-
-def use_cuda_kernels(cfg: TrainConfig, accelerator, log) -> None:
-    """Process-wide kernel choices of a run on CUDA (idempotent): quick Triton autotuning, mamba-ssm kernels for
-    the host's Mamba2 layers."""
-    if accelerator.device.type != "cuda":
-        return
-    if cfg.quick_autotune:
-        from llm_surgery.triton_autotune import quick_autotune
-        log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
-    if cfg.host_kernels:
-        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
-        log(use_mamba_kernels_for_hosts())
-
-
-def load_host(cfg: TrainConfig, accelerator, log):
-    """(model, tokenizer, description) on this process's device."""
-    from .host import load_pretrained, random_init_host, resolve_dtype
-
-    dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
-    if cfg.random_init_config:
-        model, tok = random_init_host(cfg.random_init_config, dtype, accelerator.device, cfg.seed)
-        return model, tok, f"random-init {cfg.random_init_config}"
-    path = cfg.model
-    if path is None:  # the shipped host if intact, else one pretrained here (main process first, then cached)
-        from .host import embedded_host
-        if accelerator.is_main_process:
-            embedded_host(cfg, log=log)
-        accelerator.wait_for_everyone()
-        path = str(embedded_host(cfg, log=lambda msg: None))
-    model, tok = load_pretrained(path, dtype, accelerator.device, log=log)
-    return model, tok, path
-
-
-def add_lora(model, cfg: TrainConfig):
-    """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
-    from peft import inject_adapter_in_model
-
-    lcfg = lora_config(cfg)
-    inject_adapter_in_model(lcfg, model)
-    if not any("lora_" in n for n, _ in model.named_parameters()):
-        raise UsageError(f"--lora-targets {sorted(lcfg.target_modules)} matched no module of this host")
-    return lcfg
-
-
-def mark_trainable(model) -> list[str]:
-    """Only inserted layers and LoRA weights train; everything else is frozen. Returns the trainable names."""
-    from llm_surgery.insert import inserted_layers
-
-    inserted = {id(p) for block in inserted_layers(model).values() for p in block.parameters()}
-    names = []
-    for n, p in model.named_parameters():
-        p.requires_grad_(id(p) in inserted or "lora_" in n)
-        if p.requires_grad:
-            names.append(n)
-    if not names:
-        raise RuntimeError("no trainable parameters after the surgery")
-    return names
-
-
-def upcast_trainable(model, accelerator) -> None:
-    """Under bf16/fp16 mixed precision the trainable tensors are kept in float32 (master weights); autocast does
-    the compute in low precision. Training and a re-evaluation of its artifact run the same way."""
-    if accelerator.mixed_precision in ("bf16", "fp16"):
-        for p in model.parameters():
-            if p.requires_grad and p.is_floating_point():
-                p.data = p.data.float()
-
+# ---------------------------------------------------------------- optimizer
 
 def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars).
@@ -209,7 +97,7 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
     run id (new, or the resumed run's), the checkpoint to resume, the data splits and the lock."""
     from accelerate.utils import gather_object
 
-    from .outputs import acquire_lock, clear_outputs, release_lock
+    from .outputs import acquire_lock, release_lock
 
     lock, error, found = None, None, {}
     try:
@@ -229,16 +117,26 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
         if error is not None:
             raise error
         raise (CheckpointError if first[0] == "CheckpointError" else UsageError)(first[1])
-    if found["run_id"] is None:  # a fresh run: one id for every process
-        found["run_id"] = gather_object([uuid.uuid4().hex[:12]])[0] if accelerator.num_processes > 1 \
-            else uuid.uuid4().hex[:12]
-        if accelerator.is_main_process and cfg.overwrite:
-            gone = clear_outputs(Path(cfg.output_dir))
-            if gone:
-                log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {cfg.output_dir}")
-        accelerator.wait_for_everyone()
+    if found["run_id"] is None:
+        found["run_id"] = _fresh_run(cfg, accelerator, log)
     found["lock"] = lock
     return found
+
+
+def _fresh_run(cfg: TrainConfig, accelerator, log) -> str:
+    """A fresh run's id (one for every process), once its checks passed; `--overwrite` clears the earlier run's
+    outputs only now."""
+    from accelerate.utils import gather_object
+
+    from .outputs import clear_outputs
+
+    run_id = gather_object([uuid.uuid4().hex[:12]])[0] if accelerator.num_processes > 1 else uuid.uuid4().hex[:12]
+    if accelerator.is_main_process and cfg.overwrite:
+        gone = clear_outputs(Path(cfg.output_dir))
+        if gone:
+            log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {cfg.output_dir}")
+    accelerator.wait_for_everyone()
+    return run_id
 
 
 # ---------------------------------------------------------------- run
@@ -271,23 +169,83 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
-    from accelerate.utils import set_seed
-
-    from llm_surgery.box_data import BoxCollator
-    from llm_surgery.insert import count_parameters, insert_layers, set_tau
-
-    from .outputs import write_json
-
-    main = accelerator.is_main_process
+    """Set up, train for the run's steps, save and evaluate (nanoGPT's one loop, in `_loop`)."""
     use_cuda_kernels(cfg, accelerator, log)
-    out_dir = Path(cfg.output_dir)
-    ckpt_root = out_dir / "checkpoints"
-    resume_path, splits = run["resume_path"], run["splits"]
     log(f"llm-surgery train: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
         f"device {accelerator.device}, mixed precision {accelerator.mixed_precision} (from "
         f"{getattr(accelerator, 'precision_source', 'the launcher')})")
+    r = _set_up(cfg, accelerator, run, log)
+    _loop(r)
+    return _finish(r)
 
-    # host, surgery, LoRA
+
+# ---------------------------------------------------------------- set-up
+
+@dataclass
+class _Run:
+    """One run's pieces and running state: what the loop reads (prepared model, optimizer, data) and updates
+    (meters, the device-side divergence record, the logging window)."""
+    cfg: TrainConfig
+    accelerator: Any
+    log: Callable[[str], None]
+    run_id: str
+    model: Any
+    tokenizer: Any
+    host_desc: str
+    sizes: dict  # parameter counts: inserted, total, trainable
+    train_data: TokenizedBox
+    sampler: ShardedBatchSampler
+    collate: Any
+    val_set: EvalSet
+    test_set: EvalSet
+    total_steps: int
+    optimizer: Any
+    scheduler: Any
+    host_alone: dict | None = None
+    start_step: int = 0
+    metrics: MetricsLog | None = None  # the main process's alone
+    batches: Any = None  # the loader's iterator
+    bar: Any = None
+    params: list = field(default_factory=list)  # the trainable tensors, as prepared
+    meter: Throughput | None = None
+    profile: StepProfile | None = None
+    health: Divergence | None = None
+    window_t: float = 0.0  # start of the current log window and its tokens (the logged tokens/s)
+    window_tokens: int = 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+
+def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
+    """Model, data and optimisation, prepared by Accelerate; then the start (fresh or resumed) and the meters."""
+    model, tokenizer, host_desc, sizes = _build_model(cfg, accelerator, log)
+    train_data, sampler, collate, total_steps, val_set, test_set = _build_data(cfg, accelerator, tokenizer,
+                                                                               run["splits"], log)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
+    r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
+             val_set, test_set, total_steps, optimizer, scheduler)
+    _start(r, run["resume_path"])
+    _start_meters(r)
+    return r
+
+
+def _build_model(cfg: TrainConfig, accelerator, log):
+    """(model, tokenizer, host description, parameter counts): the host, the surgery, LoRA, what trains. The seed
+    is set before the host and again before the surgery, so the inserted layers do not depend on the host's
+    source."""
+    from accelerate.utils import set_seed
+
+    from llm_surgery.insert import count_parameters, insert_layers, set_tau
+
     set_seed(cfg.seed)
     model, tokenizer, host_desc = load_host(cfg, accelerator, log)
     set_seed(cfg.seed)
@@ -308,8 +266,14 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"host {host_desc}: {n_total:,} params; inserted {cfg.n} x {cfg.kind}: {n_inserted:,}; "
         f"trainable {n_trainable:,} ({len(trainable)} tensors)")
+    return model, tokenizer, host_desc, {"inserted": n_inserted, "total": n_total, "trainable": n_trainable}
 
-    # data
+
+def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log):
+    """The training data with its sharded, resumable sampler; the run's length in optimizer steps; the evaluation
+    sets (sharded loaders)."""
+    from llm_surgery.box_data import BoxCollator
+
     train_data = TokenizedBox(tokenizer, splits["train"])
     sampler = ShardedBatchSampler(len(train_data), cfg.batch_size, accelerator.process_index,
                                   accelerator.num_processes, cfg.seed)
@@ -323,179 +287,246 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     log(f"data: {len(train_data):,} train examples ({sampler.batches_per_epoch} global batches of "
         f"{sampler.global_batch} per epoch), {len(val_set.records):,} validation, {len(test_set.records):,} test; "
         f"{total_steps} optimizer steps x {cfg.grad_accum} accumulation")
+    return train_data, sampler, collate, total_steps, val_set, test_set
 
-    # optimisation
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
 
-    # inserted layers start as the identity (out_proj = 0): evaluated now, the model is the host alone (a resumed
-    # run takes the figures its checkpoint carries: under FSDP a forward before loading would break the load)
-    host_alone = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode) \
-        if cfg.eval_host and resume_path is None else None
-    start_step = 0
+def _start(r: _Run, resume_path) -> None:
+    """Where the run starts. Fresh: the inserted layers start as the identity (out_proj = 0), so evaluated now the
+    model is the host alone. Resumed: the checkpoint's weights, optimizer, scheduler and host-alone figures (under
+    FSDP a forward before loading would break the load), the metrics log cut back to its step, and the data from
+    the same position."""
+    cfg, acc = r.cfg, r.accelerator
+    if cfg.eval_host and resume_path is None:
+        r.host_alone = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
     if resume_path is not None:
-        state = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        start_step = int(state["step"])
-        host_alone = state.get("host_alone")
-        log(f"resumed from {resume_path} at step {start_step}")
-    if main:
+        state = load_checkpoint(acc, resume_path, r.model, r.optimizer, r.scheduler)
+        r.start_step = int(state["step"])
+        r.host_alone = state.get("host_alone")
+        r.log(f"resumed from {resume_path} at step {r.start_step}")
+    if acc.is_main_process:
         if resume_path is not None:
-            truncate_after(out_dir / "metrics.jsonl", start_step)
-        metrics = MetricsLog(out_dir, tensorboard=cfg.tensorboard, append=resume_path is not None)
-    sampler.set_position(start_step * cfg.grad_accum)
+            truncate_after(r.out_dir / "metrics.jsonl", r.start_step)
+        r.metrics = MetricsLog(r.out_dir, tensorboard=cfg.tensorboard, append=resume_path is not None)
+    r.sampler.set_position(r.start_step * cfg.grad_accum)
     # workers collate the next batches while the device trains (the sampler, which fixes the order, runs here);
-    # pinned host memory lets the copies below run asynchronously
-    loader = torch.utils.data.DataLoader(train_data, batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
-    batches = iter(loader)
+    # pinned host memory lets the copies in `_micro_step` run asynchronously
+    loader = torch.utils.data.DataLoader(r.train_data, batch_sampler=r.sampler, collate_fn=r.collate,
+                                         num_workers=cfg.num_workers, pin_memory=acc.device.type == "cuda")
+    r.batches = iter(loader)
 
-    bar = None
-    if main and cfg.progress:
+
+def _start_meters(r: _Run) -> None:
+    """Progress bar, throughput (after a warm-up), the optional step profile (the last steps) and the divergence
+    record, all started from the run's first step."""
+    cfg, acc = r.cfg, r.accelerator
+    if acc.is_main_process and cfg.progress:
         from tqdm.auto import tqdm  # noqa: I001 - a dependency of transformers, always present
-        bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.kind}", unit="step", dynamic_ncols=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
-    if accelerator.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(accelerator.device)
-    meter = Throughput(accelerator.device, skip=min(5, (total_steps - start_step) // 5))
-    profile = StepProfile(accelerator.device, max(start_step + meter.skip, total_steps - cfg.profile_steps),
-                          cfg.profile_steps)
-    health = Divergence(accelerator, start_step, check_grad_norm=accelerator.mixed_precision != "fp16")
-    meter.start()
-    window_t, window_tokens = time.perf_counter(), 0
-    for step in range(start_step, total_steps):
-        if profile.begin_step(step):
-            meter.freeze()  # synchronised steps are not throughput
-        tau = None if cfg.tau_end is None else tau_at(step, total_steps, cfg.tau, cfg.tau_end)
-        if tau is not None:  # a function of the step: a resumed run continues the same schedule
-            set_tau(accelerator.unwrap_model(model), tau)
-        loss_sum, step_tokens = torch.zeros((), device=accelerator.device), 0
-        for micro in range(cfg.grad_accum):
-            with profile.phase("data"):
-                cpu = next(batches)
-                span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
-                batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
-                # 0/1 by construction: as bool the surgery skips its value check (a host sync every forward)
-                batch["attention_mask"] = batch["attention_mask"].bool()
-            ctx = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
-            with ctx:
-                with profile.phase("forward"), accelerator.autocast():
-                    logits, labels = completion_loss_inputs(model, batch, span)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-                with profile.phase("backward"):
-                    accelerator.backward(loss / cfg.grad_accum)
-            loss_sum += loss.detach() / cfg.grad_accum
-            step_tokens += n_tok
-            window_tokens += n_tok
+        r.bar = tqdm(total=r.total_steps, initial=r.start_step, desc=f"train {cfg.kind}", unit="step",
+                     dynamic_ncols=True)
+    r.params = [p for p in r.model.parameters() if p.requires_grad]
+    r.model.train()
+    if acc.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(acc.device)
+    r.meter = Throughput(acc.device, skip=min(5, (r.total_steps - r.start_step) // 5))
+    r.profile = StepProfile(acc.device, max(r.start_step + r.meter.skip, r.total_steps - cfg.profile_steps),
+                            cfg.profile_steps)
+    r.health = Divergence(acc, r.start_step, check_grad_norm=acc.mixed_precision != "fp16")
+    r.meter.start()
+    r.window_t, r.window_tokens = time.perf_counter(), 0
+
+
+# ---------------------------------------------------------------- the loop
+
+def _loop(r: _Run) -> None:
+    """Optimizer steps from the start step to the last; at their intervals the host reads the device's numbers
+    (divergence check, log record), evaluates and checkpoints. The last step is always logged, so checked."""
+    cfg = r.cfg
+    for step in range(r.start_step, r.total_steps):
+        if r.profile.begin_step(step):
+            r.meter.freeze()  # synchronised steps are not throughput
+        tau, grad_norm = _step(r, step)
         done = step + 1
-        with profile.phase("optimizer"):
-            grad_norm = accelerator.clip_grad_norm_(params, math.inf if cfg.max_grad_norm is None
-                                                    else cfg.max_grad_norm)
-            health.record(loss_sum, grad_norm)  # on the device: no wait here
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        meter.step_done(step_tokens)
-        logging = done % cfg.log_every == 0 or done == total_steps
-        evaluating = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != total_steps
+        logging = done % cfg.log_every == 0 or done == r.total_steps
+        evaluating = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != r.total_steps
         saving = bool(cfg.save_every) and done % cfg.save_every == 0
         if logging or evaluating or saving:  # the host looks at the device's numbers only here
-            with profile.phase("check_and_log"):
-                loss_mean = health.check(done, ckpt_root, run["run_id"])
+            with r.profile.phase("check_and_log"):
+                loss_mean = r.health.check(done, r.ckpt_root, r.run_id)
                 if logging:
-                    now = time.perf_counter()
-                    tok_s = window_tokens / max(now - window_t, 1e-9)
-                    window_t, window_tokens = now, 0
-                    record = {"step": done, "loss": loss_mean, "lr": scheduler.get_last_lr()[0],
-                              "grad_norm": float(_full(grad_norm)), "tokens_per_s_per_process": tok_s,
-                              "epoch": done * cfg.grad_accum / sampler.batches_per_epoch,
-                              **({"tau": tau} if tau is not None else {})}
-                    if accelerator.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
-                        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-                    if main:
-                        metrics.log(record)
-                        if bar is not None:
-                            bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{tok_s * accelerator.num_processes:,.0f}")
-        if bar is not None:
-            bar.update(1)
-        profile.end_step()
+                    _log_step(r, done, loss_mean, grad_norm, tau)
+        if r.bar is not None:
+            r.bar.update(1)
+        r.profile.end_step()
         if evaluating:
-            meter.pause()
-            with profile.evaluation("validation"):
-                val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
-            if main:
-                metrics.log({"step": done, "val_accuracy": val["accuracy"]})
-            meter.resume()
+            _validate(r, done)
         if saving:
-            meter.pause()
-            position = {"micro_batches": done * cfg.grad_accum, **_position(sampler, done * cfg.grad_accum)}
-            save_checkpoint(accelerator, ckpt_root, done, model, optimizer, scheduler, position, cfg.keep_last,
-                            extra={"kind": cfg.kind, "total_steps": total_steps, "run_id": run["run_id"],
-                                   "settings": cfg.resume_settings(accelerator.num_processes,
-                                                                   accelerator.mixed_precision),
-                                   "host_alone": host_alone})
-            meter.resume()
-    meter.pause()
-    del batches  # stops the loader's workers
-    if bar is not None:
-        bar.close()
+            _checkpoint(r, done)
+    r.meter.pause()
+    r.batches = None  # stops the loader's workers
+    if r.bar is not None:
+        r.bar.close()
 
-    # throughput, evaluation, artifact
+
+def _step(r: _Run, step: int):
+    """One optimizer step: `grad_accum` micro-batches (DDP synchronises gradients on the last one only), clipping,
+    the device-side non-finite record, the update. Returns (tau, gradient norm); nothing here waits for the
+    device."""
+    cfg, acc = r.cfg, r.accelerator
+    tau = None if cfg.tau_end is None else tau_at(step, r.total_steps, cfg.tau, cfg.tau_end)
+    if tau is not None:  # a function of the step: a resumed run continues the same schedule
+        from llm_surgery.insert import set_tau
+
+        set_tau(acc.unwrap_model(r.model), tau)
+    loss_sum, step_tokens = torch.zeros((), device=acc.device), 0
+    for micro in range(cfg.grad_accum):
+        last = micro == cfg.grad_accum - 1
+        with contextlib.nullcontext() if last else acc.no_sync(r.model):
+            loss, n_tok = _micro_step(r)
+        loss_sum += loss.detach() / cfg.grad_accum
+        step_tokens += n_tok
+    r.window_tokens += step_tokens
+    with r.profile.phase("optimizer"):
+        grad_norm = acc.clip_grad_norm_(r.params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
+        r.health.record(loss_sum, grad_norm)  # on the device: no wait here
+        r.optimizer.step()
+        r.scheduler.step()
+        r.optimizer.zero_grad(set_to_none=True)
+    r.meter.step_done(step_tokens)
+    return tau, grad_norm
+
+
+def _micro_step(r: _Run):
+    """Forward and backward of one micro-batch, the loss on its completion tokens alone. Returns (loss, tokens)."""
+    acc = r.accelerator
+    with r.profile.phase("data"):
+        cpu = next(r.batches)
+        span, n_tok = completion_span(cpu["labels"]), int(cpu["attention_mask"].sum())  # no GPU sync
+        batch = {k: v.to(acc.device, non_blocking=True) for k, v in cpu.items()}
+        # 0/1 by construction: as bool the surgery skips its value check (a host sync every forward)
+        batch["attention_mask"] = batch["attention_mask"].bool()
+    with r.profile.phase("forward"), acc.autocast():
+        logits, labels = completion_loss_inputs(r.model, batch, span)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    with r.profile.phase("backward"):
+        acc.backward(loss / r.cfg.grad_accum)
+    return loss, n_tok
+
+
+def _log_step(r: _Run, done: int, loss_mean: float, grad_norm, tau) -> None:
+    """One metrics record (main process) and the progress bar; tokens/s over the window since the last record."""
+    acc = r.accelerator
+    now = time.perf_counter()
+    tok_s = r.window_tokens / max(now - r.window_t, 1e-9)
+    r.window_t, r.window_tokens = now, 0
+    record = {"step": done, "loss": loss_mean, "lr": r.scheduler.get_last_lr()[0],
+              "grad_norm": float(_full(grad_norm)), "tokens_per_s_per_process": tok_s,
+              "epoch": done * r.cfg.grad_accum / r.sampler.batches_per_epoch,
+              **({"tau": tau} if tau is not None else {})}
+    if acc.device.type == "cuda":  # rank 0's peak so far (the final record has every rank's)
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(acc.device) / 2**30
+    if acc.is_main_process:
+        r.metrics.log(record)
+        if r.bar is not None:
+            r.bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{tok_s * acc.num_processes:,.0f}")
+
+
+def _validate(r: _Run, done: int) -> None:
+    """A validation evaluation during training (outside the throughput)."""
+    r.meter.pause()
+    with r.profile.evaluation("validation"):
+        val = evaluate(r.accelerator, r.model, r.tokenizer, r.val_set, r.cfg.train_max_ops, r.cfg.eval_mode)
+    if r.accelerator.is_main_process:
+        r.metrics.log({"step": done, "val_accuracy": val["accuracy"]})
+    r.meter.resume()
+
+
+def _checkpoint(r: _Run, done: int) -> None:
+    """An atomic checkpoint after step `done`: weights, optimizer, scheduler, RNG and the data position, with what
+    a resume checks its settings against (outside the throughput)."""
+    cfg, acc = r.cfg, r.accelerator
+    r.meter.pause()
+    position = {"micro_batches": done * cfg.grad_accum, **_position(r.sampler, done * cfg.grad_accum)}
+    save_checkpoint(acc, r.ckpt_root, done, r.model, r.optimizer, r.scheduler, position, cfg.keep_last,
+                    extra={"kind": cfg.kind, "total_steps": r.total_steps, "run_id": r.run_id,
+                           "settings": cfg.resume_settings(acc.num_processes, acc.mixed_precision),
+                           "host_alone": r.host_alone})
+    r.meter.resume()
+
+
+# ---------------------------------------------------------------- the end
+
+def _finish(r: _Run) -> dict:
+    """Throughput, `final/` (saved before the evaluation: a failing one loses no training), the last validation
+    and test evaluations, and the results on every process (written by the main one)."""
+    cfg, acc = r.cfg, r.accelerator
+    throughput = _throughput(r)
+    save_final(acc, r.model, r.out_dir / "final", cfg)
+    with r.profile.evaluation("validation"):
+        val = evaluate(acc, r.model, r.tokenizer, r.val_set, cfg.train_max_ops, cfg.eval_mode)
+    with r.profile.evaluation("test"):
+        test = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+    results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
+               "throughput": throughput, "num_processes": acc.num_processes,
+               "distributed_type": acc.distributed_type.value,
+               "run_id": r.run_id, "validation": val, "test": test, "host_alone": r.host_alone,
+               "step_profile": r.profile.result(),
+               "config": {**cfg.to_dict(), "mixed_precision": acc.mixed_precision}}
+    if acc.is_main_process:
+        _write_results(r, results)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return results
+
+
+def _throughput(r: _Run) -> dict:
+    """Timed tokens/s and peak memory of every process (one gather), logged."""
+    acc, meter = r.accelerator, r.meter
+    on_cuda = acc.device.type == "cuda"
     rate = meter.tokens_per_s()
-    peak = (torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda"
-            else float("nan"))
-    per_rank = accelerator.gather(torch.tensor([rate, peak], dtype=torch.float64, device=accelerator.device))
+    peak = torch.cuda.max_memory_allocated(acc.device) / 2**30 if on_cuda else float("nan")
+    per_rank = acc.gather(torch.tensor([rate, peak], dtype=torch.float64, device=acc.device))
     per_rank = per_rank.view(-1, 2).cpu()
     throughput = {
         "timed_seconds": meter.seconds, "timed_steps": meter.steps - meter.skip, "warmup_steps": meter.skip,
         "tokens_per_s_per_process": rate,
         "tokens_per_s_total": float(per_rank[:, 0].sum()),
         "tokens_per_s_by_process": per_rank[:, 0].tolist(),
-        "peak_memory_gib": peak if accelerator.device.type == "cuda" else None,
-        "peak_memory_gib_by_process": per_rank[:, 1].tolist() if accelerator.device.type == "cuda" else None,
-        "num_processes": accelerator.num_processes,
+        "peak_memory_gib": peak if on_cuda else None,
+        "peak_memory_gib_by_process": per_rank[:, 1].tolist() if on_cuda else None,
+        "num_processes": acc.num_processes,
     }
-    unit = "GPU" if accelerator.device.type == "cuda" else "process"
-    log(f"throughput: {throughput['tokens_per_s_per_process']:,.0f} tokens/s per {unit}, "
-        f"{throughput['tokens_per_s_total']:,.0f} total" + (
-            ", peak memory " + ", ".join(f"{g:.2f}" for g in throughput["peak_memory_gib_by_process"]) + " GiB per GPU"
-            if throughput["peak_memory_gib"] is not None else ""))
-    final_dir = out_dir / "final"
-    save_final(accelerator, model, final_dir, cfg)  # before the evaluation: a failing one loses no training
-    with profile.evaluation("validation"):
-        val = evaluate(accelerator, model, tokenizer, val_set, cfg.train_max_ops, cfg.eval_mode)
-    with profile.evaluation("test"):
-        test = evaluate(accelerator, model, tokenizer, test_set, cfg.train_max_ops, cfg.eval_mode)
-    results = {"kind": cfg.kind, "n": cfg.n, "host": host_desc, "steps": total_steps,
-               "params": {"inserted": n_inserted, "total": n_total, "trainable": n_trainable},
-               "throughput": throughput, "num_processes": accelerator.num_processes,
-               "distributed_type": accelerator.distributed_type.value,
-               "run_id": run["run_id"], "validation": val, "test": test, "host_alone": host_alone,
-               "step_profile": profile.result(),
-               "config": {**cfg.to_dict(), "mixed_precision": accelerator.mixed_precision}}
-    if main:
-        write_json(out_dir / "results.json", results)
-        if results["step_profile"] is not None:
-            write_json(out_dir / "step_profile.json", results["step_profile"])
-            log(profile_table(results["step_profile"]))
-        metrics.log({"step": total_steps, "throughput": throughput})
-        metrics.log({"step": total_steps, "val_accuracy": val["accuracy"], "test_iid_accuracy": test["iid"]["accuracy"],
-                     "test_ood_accuracy": test["ood"]["accuracy"]})
-        metrics.close()
-        print_results(results)
-        if cfg.plot:
-            try:
-                from .plot import plot_run
-                png = plot_run(results, out_dir / "accuracy.png")
-                log(f"plot: {png}")
-            except ImportError as e:  # matplotlib is optional on bare GPU images
-                log(f"no plot ({e})")
-        log(f"inserted layers: {final_dir}; results: {out_dir / 'results.json'}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return results
+    unit = "GPU" if on_cuda else "process"
+    r.log(f"throughput: {throughput['tokens_per_s_per_process']:,.0f} tokens/s per {unit}, "
+          f"{throughput['tokens_per_s_total']:,.0f} total" + (
+              ", peak memory " + ", ".join(f"{g:.2f}" for g in throughput["peak_memory_gib_by_process"])
+              + " GiB per GPU" if throughput["peak_memory_gib"] is not None else ""))
+    return throughput
+
+
+def _write_results(r: _Run, results: dict) -> None:
+    """The main process's outputs: results.json, the step profile, the last metrics records, the results table and
+    the optional plot."""
+    from .outputs import write_json
+
+    out_dir, log = r.out_dir, r.log
+    write_json(out_dir / "results.json", results)
+    if results["step_profile"] is not None:
+        write_json(out_dir / "step_profile.json", results["step_profile"])
+        log(profile_table(results["step_profile"]))
+    test = results["test"]
+    r.metrics.log({"step": r.total_steps, "throughput": results["throughput"]})
+    r.metrics.log({"step": r.total_steps, "val_accuracy": results["validation"]["accuracy"],
+                   "test_iid_accuracy": test["iid"]["accuracy"], "test_ood_accuracy": test["ood"]["accuracy"]})
+    r.metrics.close()
+    print_results(results)
+    if r.cfg.plot:
+        try:
+            from .plot import plot_run
+            png = plot_run(results, out_dir / "accuracy.png")
+            log(f"plot: {png}")
+        except ImportError as e:  # matplotlib is optional on bare GPU images
+            log(f"no plot ({e})")
+    log(f"inserted layers: {out_dir / 'final'}; results: {out_dir / 'results.json'}")
 
 
 def _full(t):
