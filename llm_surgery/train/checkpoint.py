@@ -4,6 +4,10 @@ fsync, rename), so a run killed mid-write leaves the previous checkpoint intact;
 (state.json carries the run's id and settings: pruning touches only that run's checkpoints, and a resume compares
 the settings).
 
+Why not Accelerate's `save_state`/`load_state`: they save the whole model (a frozen multi-GB host with every
+checkpoint, where this keeps the trainable ~1-5%), in their own layout with no run id, settings check or pruning per
+run, and would still need this module's atomic write around them; the few lines here are the simpler of the two.
+
 Layout of `<output_dir>/checkpoints/step-00000100/`:
   trainable.safetensors  optimizer.pt  scheduler.pt  rng-rank{r}.pt  state.json
 """
