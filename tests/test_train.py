@@ -472,6 +472,7 @@ def test_lora_trains_and_round_trips(tmp_path, tiny_host_dir, monkeypatch):
     for k, v in saved.items():   # peft's in-model names carry the adapter's name ("default")
         torch.testing.assert_close(state[k.removeprefix("base_model.model.").replace(".weight", ".default.weight")], v)
     assert not any(p.requires_grad for p in host.parameters())
+    assert not any(".pre_ssm." in k and "lora_" in k for k in state)   # loading keeps LoRA out of them too
     # a standard peft adapter: peft alone loads it onto the plain host (the surgery keeps the host's module names)
     from peft import PeftModel
 

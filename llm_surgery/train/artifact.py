@@ -13,15 +13,24 @@ LORA_DIR = "lora"
 PEFT_PREFIX = "base_model.model."   # the key prefix of a PeftModel's saved adapter
 
 
-def lora_config(cfg):
-    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`): on the host's
-    modules of those names, never inside the inserted layers (`pre_ssm`): DeltaNet's projections carry the attention
-    names (q/k/v/o_proj), and a mixer runs its library layer on its own parameters, which a LoRA wrapper would rename."""
+def lora_config(cfg, model):
+    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`) for `model`: on
+    the host's modules of those names, never inside the inserted layers (`pre_ssm`): DeltaNet's projections carry the
+    attention names (q/k/v/o_proj), and a mixer runs its library layer on its own parameters, which a LoRA wrapper
+    would rename. (The exclusion is set only where it excludes something: peft warns about one that does not.)"""
     from peft import LoraConfig
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
-                      exclude_modules=r".*\.pre_ssm\..*")
+                      exclude_modules=_inserted_layers_pattern(targets, model))
+
+
+def _inserted_layers_pattern(targets, model) -> str | None:
+    """The exclusion that keeps LoRA out of `model`'s inserted layers, or None where none of them has a module of a
+    target's name (peft warns about an exclusion that excludes nothing, e.g. on the plain host)."""
+    names = set(targets)
+    inside = any(".pre_ssm." in name and name.rsplit(".", 1)[-1] in names for name, _ in model.named_modules())
+    return r".*\.pre_ssm\..*" if inside else None
 
 
 def save_final(accelerator, model, final_dir: Path, cfg) -> None:
@@ -51,8 +60,9 @@ def save_final(accelerator, model, final_dir: Path, cfg) -> None:
         if cfg.lora_r:
             from peft import get_peft_model_state_dict
 
-            lcfg = lora_config(cfg)
+            lcfg = lora_config(cfg, inner)
             lcfg.base_model_name_or_path = str(cfg.model) if cfg.model else None
+            lcfg.exclude_modules = None   # the adapter is the host's alone: load_trained sets the exclusion again
             lcfg.save_pretrained(str(tmp / LORA_DIR))
             lora = get_peft_model_state_dict(inner, state_dict=full)
             save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in lora.items()},
@@ -71,7 +81,9 @@ def load_trained(model, final_dir: str | Path):
     load_inserted(model, final_dir)
     adapter = final_dir / LORA_DIR
     if (adapter / "adapter_config.json").is_file():
-        inject_adapter_in_model(LoraConfig.from_pretrained(str(adapter)), model)
+        lcfg = LoraConfig.from_pretrained(str(adapter))
+        lcfg.exclude_modules = _inserted_layers_pattern(lcfg.target_modules, model)
+        inject_adapter_in_model(lcfg, model)
         weights = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
         result = set_peft_model_state_dict(model, weights)
         if result.unexpected_keys:

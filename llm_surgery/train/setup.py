@@ -98,7 +98,7 @@ def add_lora(model, cfg: TrainConfig):
     """LoRA adapters on the host's attention projections (peft), trained with the inserted layers."""
     from peft import inject_adapter_in_model
 
-    lcfg = lora_config(cfg)
+    lcfg = lora_config(cfg, model)
     inject_adapter_in_model(lcfg, model)
     if not any("lora_" in n for n, _ in model.named_parameters()):
         raise UsageError(f"--lora-targets {sorted(lcfg.target_modules)} matched no module of this host")
