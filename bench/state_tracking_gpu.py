@@ -5,6 +5,8 @@ per-run time limit computed from one wall-clock budget, so the call cannot overr
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --budget 540                    # one H200, ~9 minutes
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --quick --device cpu --jobs 4   # CPU smoke test, ~70 s
     python bench/state_tracking_gpu.py --summarize a.jsonl,b.jsonl --plot len.png       # tables (+ plot) from JSONL
+    PYTHONPATH=$PWD python bench/state_tracking_gpu.py --protocol table1 --mps --jobs 24 \
+        --checkpoint-dir ck --pause-after 530        # issue 45: every kind under one protocol (repeat until exit 0)
 
 Every run is time-limited (the schedules run on time: warm-up, cosine decay, curriculum and tau all finish);
 by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at a time); results go to --out
@@ -14,7 +16,9 @@ one-layer sizes in ONE_LAYER_RECIPES); Table 1 also runs the other preset for co
 --t1-variants names pdssm option sets of VARIANTS to compare on Table 1 (the Table 1 option sweep); --mps runs the
 processes under NVIDIA MPS; --val-every K validates every K steps on lengths 40..256, as the paper's baselines
 do, and the tables then report the validation-selected weights beside the final ones (--plot-val draws the
-validation curves). See docs/bench/state_tracking.md.
+validation curves). --protocol runs llm_surgery/bench/state_tracking/protocol.py instead of the sweep: a
+learning-rate search, then the reported seeds at the chosen rates, every kind with the same settings and fixed
+steps, spread over calls by --checkpoint-dir and --pause-after. See docs/bench/state_tracking.md.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from dataclasses import replace
 
 
+from llm_surgery.bench.state_tracking import protocol
 from llm_surgery.bench.state_tracking.__main__ import _mean_se, _run_all
 from llm_surgery.bench.state_tracking.resume import run_dir_name
 from llm_surgery.bench.state_tracking.tasks import TABLE1_TASKS
@@ -38,7 +43,9 @@ from llm_surgery.bench.state_tracking.train import (ONE_LAYER_RECIPES, PDSSM_PRE
                                                     cli_defaults, needs_retry, preset_for, quick_triton_autotune,
                                                     train)
 
-GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
+GROUP_TASKS = protocol.GROUP_TASKS
+PROTOCOL_PARTS = {"table1": TABLE1_TASKS, "groups": GROUP_TASKS}  # --protocol's parts
+QUICK_STEPS = 32  # --quick --protocol: steps of a reported run
 # Named pdssm variants for Table 1 (--t1-variants), compared side by side: each is exactly its options over the
 # layer defaults (preset "layer"), as every one of them ran, whatever the CLI default is now.
 VARIANTS = {
@@ -109,11 +116,35 @@ def plan(args) -> list[TrainConfig]:
                                              batch_size=args.batch_size, **base))
     cfgs += retries_of(args.retry_unfit, args.retry_loss, args.device) if args.retry_unfit else []
     if args.quick:  # CPU smoke test: tiny models, a few seconds each
-        cfgs = [replace(c, d_model=min(c.d_model, 32), batch_size=8, eval_lengths=(40, 256), eval_batch=16,
-                        mixer={**c.mixer, **({"num_heads": 4, "state_size": c.mixer.get("state_size", 8)}
-                                             if c.kind == "pdssm" else {})},
-                        **({"restarts": min(c.restarts, 2)} if c.restarts > 1 else {})) for c in cfgs]
-        cfgs = [c for i, c in enumerate(cfgs) if c.seed == 0 or c.task in ("parity", "s3_gen")]
+        cfgs = [c for c in quick(cfgs) if c.seed == 0 or c.task in ("parity", "s3_gen")]
+    return cfgs
+
+
+def quick(cfgs: list[TrainConfig]) -> list[TrainConfig]:
+    """--quick: the same runs with tiny models and batches (a CPU test of the whole script)."""
+    return [replace(c, d_model=min(c.d_model, 32), batch_size=8, eval_lengths=(40, 256), eval_batch=16,
+                    mixer={**c.mixer, **({"num_heads": 4, "state_size": c.mixer.get("state_size", 8)}
+                                         if c.kind == "pdssm" else {})},
+                    **({"restarts": min(c.restarts, 2)} if c.restarts > 1 else {})) for c in cfgs]
+
+
+def protocol_plan(args, chosen: dict | None = None) -> list[TrainConfig]:
+    """--protocol: the learning-rate search runs, or (with `chosen`, protocol.select_lr's result) the reported
+    runs of the (kind, task) pairs whose search is complete. --quick: tiny models, QUICK_STEPS steps."""
+    tasks = [t for part in args.protocol.split(",") for t in PROTOCOL_PARTS[part]]
+    only = [t for t in args.protocol_tasks.split(",") if t]
+    if set(only) - set(tasks) or args.protocol_seeds < 1:
+        raise SystemExit(f"--protocol-tasks must name tasks of {args.protocol} ({', '.join(tasks)}) and "
+                         f"--protocol-seeds be >= 1, got {args.protocol_tasks!r}, {args.protocol_seeds}")
+    tasks = [t for t in tasks if not only or t in only]
+    common = dict(device=args.device, eval_batch=args.eval_batch)
+    if chosen is None:
+        cfgs = protocol.search_configs(protocol.KINDS, tasks, **common)
+    else:
+        cfgs = protocol.final_configs(protocol.KINDS, tasks, args.protocol_seeds, chosen, **common)
+    if args.quick:  # the steps scaled down as in the protocol (the search trains SEARCH_FRAC of them)
+        cfgs = [replace(c, steps=QUICK_STEPS if c.name == "protocol" else round(protocol.SEARCH_FRAC * QUICK_STEPS),
+                        eval_every=QUICK_STEPS // 8) for c in quick(cfgs)]
     return cfgs
 
 
@@ -188,16 +219,21 @@ def start_mps() -> bool:
     return False
 
 
-def warm_up(device: str, d_model: int) -> float:
+def warm_up(device: str, d_model: int, cfgs: list[TrainConfig] = ()) -> float:
     """Build the pd_scan CUDA extension and compile the Triton kernels (at the runs' sizes) once, in this
-    process, so that the parallel workers load them from the on-disk caches instead of all compiling at once."""
+    process, so that the parallel workers load them from the on-disk caches instead of all compiling at once.
+    `cfgs`: warm up each distinct model of these runs (the protocol's sizes) rather than the Table 1 width."""
     t0 = time.time()
-    for kind in ("pdssm", "mamba2", "deltanet"):
+    models = {(c.kind, c.n_layers, c.d_model, json.dumps(c.mixer, sort_keys=True)): c for c in cfgs}
+    tiny = dict(steps=8, batch_size=4, eval_lengths=(40, 47, 256), eval_batch=4, eval_every=0, device=device)
+    runs = ([replace(c, **tiny) for c in models.values()] if models else
+            [TrainConfig(task="parity", kind=kind, n_layers=1, d_model=d_model, **tiny)
+             for kind in ("pdssm", "mamba2", "deltanet")])
+    for c in runs:
         try:
-            train(TrainConfig(task="parity", kind=kind, n_layers=1, d_model=d_model, steps=8, batch_size=4,
-                              eval_lengths=(40, 47, 256), eval_batch=4, device=device))
+            train(c)
         except Exception as exc:  # noqa: BLE001 - the runs of that kind will report the error themselves
-            print(f"warm-up {kind} failed: {exc!r}"[:500], flush=True)
+            print(f"warm-up {c.kind} failed: {exc!r}"[:500], flush=True)
     return time.time() - t0
 
 
@@ -309,6 +345,17 @@ def plot_validation(rows: list[dict], path: str) -> None:
 
 
 def summarize(rows: list[dict]) -> str:
+    """The protocol's tables (protocol.tables) for its runs, the sweep tables for the others."""
+    def is_ours(r):
+        return r["config"].get("name", "") == "protocol" or r["config"].get("name", "").startswith("search-")
+    ours, rows = [r for r in rows if is_ours(r)], [r for r in rows if not is_ours(r)]
+    text = protocol.tables(ours) if ours else ""
+    if rows or not ours:
+        text += ("\n\n" if text else "") + sweep_tables(rows)
+    return text
+
+
+def sweep_tables(rows: list[dict]) -> str:
     retried = sum(r["config"].get("attempt", 0) > 0 for r in rows)
     rows = last_attempts(rows)
     text = (f"({retried} results are retries of unfit runs: they replace the earlier tries)\n" if retried else "")
@@ -362,6 +409,12 @@ def parse_args(argv=None):
                     help="with --checkpoint-dir: pause the runs this many seconds after the start (exit status 3 "
                          "while runs remain paused)")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
+    ap.add_argument("--protocol", default=None, choices=["table1", "groups", "table1,groups"],
+                    help="run issue 45's protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
+                         "instead of the sweep: a learning-rate search, then the reported seeds at the chosen "
+                         "rates; fixed steps (resume across calls with --checkpoint-dir and --pause-after)")
+    ap.add_argument("--protocol-seeds", type=int, default=5, help="reported seeds per kind and task (0..n-1)")
+    ap.add_argument("--protocol-tasks", default="", help="only these tasks of the --protocol settings (comma list)")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
     ap.add_argument("--summarize", default=None, help="print the tables of these JSONL files (comma list) and exit")
@@ -385,51 +438,72 @@ def main(argv=None) -> int:
         if args.plot_val:
             plot_validation(rows, args.plot_val)
         return 0
+    if args.protocol and (args.run_time or args.retry_unfit):
+        raise SystemExit("--protocol fixes steps, not time, and has no retries: drop --run-time and --retry-unfit")
     start = time.time()
     args.budget = args.budget or (60.0 if args.quick else 540.0)
     reserve = args.reserve or (20.0 if args.quick else 0.1 * args.budget + 25)
-    cfgs = plan(args)
+    cfgs = protocol_plan(args) if args.protocol else plan(args)
     args.jobs = args.jobs or math.ceil(len(cfgs) / args.waves)
     print(f"{len(cfgs)} runs, {args.jobs} jobs, {math.ceil(len(cfgs) / args.jobs)} waves, budget {args.budget:.0f}s",
           flush=True)
     if args.dry_run:
-        for c in with_time_limits(cfgs, args.budget, args.jobs, reserve):
+        for c in cfgs if args.protocol else with_time_limits(cfgs, args.budget, args.jobs, reserve):
             print(c.kind, c.task, c.seed, c.n_layers, c.d_model, c.mixer, f"restarts {c.restarts}",
-                  f"limit {c.time_limit_s:.0f}s")
+                  f"steps {c.steps} lr {c.lr:g}" if args.protocol else f"limit {c.time_limit_s:.0f}s")
         return 0
     quick = args.device.startswith("cuda")
     if quick and args.mps:
         print(f"MPS: {start_mps()}", flush=True)
     if quick:
         print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
-        print(f"warm-up (kernel builds, compiles): {warm_up(args.device, args.d_model):.0f}s", flush=True)
-    if args.run_time:  # fixed, so that every call of a resumed sweep builds the same configs
+        print(f"warm-up (kernel builds, compiles): "
+              f"{warm_up(args.device, args.d_model, cfgs if args.protocol else ()):.0f}s", flush=True)
+    if args.protocol:  # runs of a fixed number of steps: the same for every kind, whatever its speed
+        pass
+    elif args.run_time:  # fixed, so that every call of a resumed sweep builds the same configs
         cfgs = [replace(c, time_limit_s=args.run_time / (1 + (c.restarts - 1) * c.restart_frac)) for c in cfgs]
     else:
         cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
-    print(f"per-run training time limit (no restarts): {max(c.time_limit_s for c in cfgs):.0f}s", flush=True)
-    rows, paused = [], 0
+    if not args.protocol:
+        print(f"per-run training time limit (no restarts): {max(c.time_limit_s for c in cfgs):.0f}s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    run_dirs = [os.path.join(args.checkpoint_dir, run_dir_name(c)) for c in cfgs] if args.checkpoint_dir else None
     deadline = None if args.pause_after is None else start + args.pause_after
-    for r in _run_all(cfgs, args.jobs, quick_autotune=quick, run_dirs=run_dirs, deadline=deadline):
+    rows, paused = run_configs(cfgs, args, start, deadline)
+    expected = len(cfgs)
+    if args.protocol and not paused:  # the search is complete: the reported runs at the chosen rates
+        final = protocol_plan(args, protocol.select_lr(rows))
+        print(f"learning-rate search done; {len(final)} reported runs", flush=True)
+        more, paused = run_configs(final, args, start, deadline)
+        rows, expected = rows + more, expected + len(final)
+    print(f"\n{len(rows)} of {expected} runs in {time.time() - start:.0f}s ({paused} paused); results in "
+          f"{args.out}\n")
+    print(summarize(rows))
+    return 3 if paused else 0 if len(rows) == expected else 1
+
+
+def run_configs(cfgs: list[TrainConfig], args, start: float, deadline: float | None) -> tuple[list[dict], int]:
+    """Run `cfgs` (resumable under --checkpoint-dir, paused at `deadline`), print and append each result to
+    --out as it finishes; the results and the number of paused runs."""
+    rows, paused = [], 0
+    run_dirs = [os.path.join(args.checkpoint_dir, run_dir_name(c)) for c in cfgs] if args.checkpoint_dir else None
+    for r in _run_all(cfgs, args.jobs, quick_autotune=args.device.startswith("cuda"), run_dirs=run_dirs,
+                      deadline=deadline):
         if r.get("paused"):
             paused += 1
             print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} seed {r['seed']}: paused at step "
                   f"{r['steps_run']} ({r['train_seconds']}s trained)", flush=True)
             continue
         rows.append(r)
-        print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} L{r['config']['n_layers']} seed {r['seed']}: "
+        print(f"[{time.time() - start:.0f}s] {r['kind']} {r['task']} L{r['config']['n_layers']} seed {r['seed']}"
+              f"{' ' + r['config']['name'] if r['config'].get('name') else ''}: "
               f"acc 40..256 {100 * r['acc_mean']:.1f}%, at 256 {100 * r['acc_max_len']:.1f}%, "
               + (f"selected {100 * r['acc_selected_mean']:.1f}% (step {r['val_best_step']}), "
                  if "acc_selected_mean" in r else "") +
               f"loss {r['train_loss']:.3g} ({r['steps_run']} steps, {r['seconds']}s)", flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(r) + "\n")
-    print(f"\n{len(rows)} of {len(cfgs)} runs in {time.time() - start:.0f}s ({paused} paused); results in "
-          f"{args.out}\n")
-    print(summarize(rows))
-    return 3 if paused else 0 if len(rows) == len(cfgs) else 1
+    return rows, paused
 
 
 if __name__ == "__main__":

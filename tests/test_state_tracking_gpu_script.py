@@ -165,3 +165,38 @@ def test_a_sweep_longer_than_one_call_pauses_and_continues(tmp_path, capsys):
     assert (tmp_path / "second.jsonl").read_text() == (tmp_path / "third.jsonl").read_text()
     with pytest.raises(SystemExit, match="needs --checkpoint-dir"):
         gpu.main(["--pause-after", "5"])
+
+
+def test_the_protocol_end_to_end_for_every_kind_across_calls(tmp_path, capsys):
+    """--protocol --quick: the learning-rate search, then the reported seeds at the chosen rates, for pdssm, mamba2
+    and deltanet on one Table 1 and one group task; the first call pauses in the search (exit status 3), the same
+    command finishes it. Every kind's runs share every setting but the mixer (and the rate the search chose)."""
+    argv = ["--protocol", "table1,groups", "--protocol-tasks", "parity,s3_gen", "--protocol-seeds", "2", "--quick",
+            "--device", "cpu", "--jobs", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert gpu.main(argv + ["--pause-after", "0", "--out", str(tmp_path / "first.jsonl")]) == 3
+    assert "learning-rate search done" not in capsys.readouterr().out
+    out = tmp_path / "second.jsonl"
+    assert gpu.main(argv + ["--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    search = [r for r in rows if r["config"]["name"].startswith("search-")]
+    final = [r for r in rows if r["config"]["name"] == "protocol"]
+    assert len(search) == 3 * 2 * len(gpu.protocol.LR_GRID) * len(gpu.protocol.SEARCH_SEEDS)
+    assert sorted((r["kind"], r["task"], r["seed"]) for r in final) == sorted(
+        (k, t, s) for k in gpu.protocol.KINDS for t in ("parity", "s3_gen") for s in (0, 1))
+    chosen = gpu.protocol.select_lr(search)
+    for task in ("parity", "s3_gen"):
+        for group in (search, final):
+            configs = [{k: v for k, v in r["config"].items() if k not in ("kind", "mixer", "lr", "seed", "name")}
+                       for r in group if r["task"] == task]
+            assert all(c == configs[0] for c in configs)
+        assert all(r["config"]["lr"] == chosen[(r["kind"], task)] and "acc_selected_mean" in r
+                   for r in final if r["task"] == task)
+    table = text[text.index("Table 1 under one protocol"):]
+    for kind in gpu.protocol.KINDS:
+        assert f"\n| {kind} | — | — | — | " in table and f"\n| s3_gen | {kind} | " in table
+    assert "| 2 | 32-32 |" in table and "sweep" not in table and "Issue 7" not in table
+    with pytest.raises(SystemExit, match="fixes steps"):
+        gpu.main(argv + ["--run-time", "10"])
+    with pytest.raises(SystemExit, match="--protocol-tasks must name"):
+        gpu.main(["--protocol", "groups", "--protocol-tasks", "parity", "--dry-run"])
