@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import replace
 
+import torch
 
 from llm_surgery.bench.state_tracking import protocol
 from llm_surgery.bench.state_tracking.__main__ import _mean_se, _run_all
@@ -146,6 +147,12 @@ def protocol_plan(args, chosen: dict | None = None) -> list[TrainConfig]:
         cfgs = [replace(c, steps=QUICK_STEPS if c.name == "protocol" else round(protocol.SEARCH_FRAC * QUICK_STEPS),
                         eval_every=QUICK_STEPS // 8) for c in quick(cfgs)]
     return cfgs
+
+
+def spread(cfgs: list[TrainConfig], gpus: int) -> list[TrainConfig]:
+    """--gpus N: run i on cuda:(i mod N), so that the runs in flight share N GPUs evenly (a run may move to
+    another GPU between calls: resume.MAY_CHANGE)."""
+    return cfgs if gpus <= 1 else [replace(c, device=f"cuda:{i % gpus}") for i, c in enumerate(cfgs)]
 
 
 def read_rows(paths: str) -> list[dict]:
@@ -408,6 +415,8 @@ def parse_args(argv=None):
     ap.add_argument("--pause-after", type=float, default=None,
                     help="with --checkpoint-dir: pause the runs this many seconds after the start (exit status 3 "
                          "while runs remain paused)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="spread the runs over this many GPUs (cuda:0..N-1, round robin; with --device cuda)")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--protocol", default=None, choices=["table1", "groups", "table1,groups"],
                     help="run issue 45's protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
@@ -443,7 +452,9 @@ def main(argv=None) -> int:
     start = time.time()
     args.budget = args.budget or (60.0 if args.quick else 540.0)
     reserve = args.reserve or (20.0 if args.quick else 0.1 * args.budget + 25)
-    cfgs = protocol_plan(args) if args.protocol else plan(args)
+    if args.gpus > 1 and args.device != "cuda":
+        raise SystemExit(f"--gpus {args.gpus} needs --device cuda (the runs go to cuda:0 .. cuda:{args.gpus - 1})")
+    cfgs = spread(protocol_plan(args) if args.protocol else plan(args), args.gpus)
     args.jobs = args.jobs or math.ceil(len(cfgs) / args.waves)
     print(f"{len(cfgs)} runs, {args.jobs} jobs, {math.ceil(len(cfgs) / args.jobs)} waves, budget {args.budget:.0f}s",
           flush=True)
@@ -455,6 +466,8 @@ def main(argv=None) -> int:
     quick = args.device.startswith("cuda")
     if quick and args.mps:
         print(f"MPS: {start_mps()}", flush=True)
+    if quick and args.gpus > 1 and (found := torch.cuda.device_count()) < args.gpus:  # (after MPS's start)
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {found} CUDA devices")
     if quick:
         print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
         print(f"warm-up (kernel builds, compiles): "
@@ -472,7 +485,7 @@ def main(argv=None) -> int:
     rows, paused = run_configs(cfgs, args, start, deadline)
     expected = len(cfgs)
     if args.protocol and not paused:  # the search is complete: the reported runs at the chosen rates
-        final = protocol_plan(args, protocol.select_lr(rows))
+        final = spread(protocol_plan(args, protocol.select_lr(rows)), args.gpus)
         print(f"learning-rate search done; {len(final)} reported runs", flush=True)
         more, paused = run_configs(final, args, start, deadline)
         rows, expected = rows + more, expected + len(final)

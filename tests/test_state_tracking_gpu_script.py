@@ -200,3 +200,13 @@ def test_the_protocol_end_to_end_for_every_kind_across_calls(tmp_path, capsys):
         gpu.main(argv + ["--run-time", "10"])
     with pytest.raises(SystemExit, match="--protocol-tasks must name"):
         gpu.main(["--protocol", "groups", "--protocol-tasks", "parity", "--dry-run"])
+
+
+def test_runs_spread_over_gpus_round_robin(capsys):
+    cfgs = gpu.spread(gpu.protocol.search_configs(gpu.protocol.KINDS, ["parity"], device="cuda"), 4)
+    assert [c.device for c in cfgs[:5]] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]
+    assert gpu.spread(cfgs, 1) == cfgs
+    assert gpu.main(["--protocol", "table1", "--gpus", "4", "--jobs", "80", "--dry-run"]) == 0
+    assert "72 runs, 80 jobs, 1 waves" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        gpu.main(["--protocol", "table1", "--gpus", "2", "--device", "cpu", "--dry-run"])

@@ -106,3 +106,13 @@ def test_graphed_training_matches_eager(kind, preset):
         torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-4, msg=name)
     fresh = TrainRun(eager.cfg, 0, task, torch.device("cuda")).model  # same seed: the initial parameters
     assert any(not torch.equal(a, b) for a, b in zip(eager.model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_graphed_run_on_the_second_gpu_trains_as_on_the_first():
+    """bench/state_tracking_gpu.py --gpus: a run on cuda:1 (its graphs captured there) equals the run on cuda:0."""
+    from llm_surgery.bench.state_tracking.train import train
+    results = [train(cli_defaults("pdssm", task="parity", n_layers=1, d_model=32, steps=20, batch_size=8,
+                                  eval_lengths=(40, 64), eval_batch=16, device=f"cuda:{i}")) for i in (0, 1)]
+    assert results[0]["train_loss"] == pytest.approx(results[1]["train_loss"], rel=1e-4)
+    assert results[0]["graphed"] and results[1]["graphed"]

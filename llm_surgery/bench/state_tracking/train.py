@@ -425,6 +425,8 @@ def train_once(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline:
             return done
     task = get_task(cfg.task)
     device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the graphs' stream (graphed_step.py) and kernels on the run's own GPU
     t_start = time.time()
     best, sel_losses = None, []
     for r in range(cfg.restarts):
