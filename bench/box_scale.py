@@ -64,29 +64,26 @@ class Refused(SystemExit):
 
 # ---------------------------------------------------------------- the host and its checkpoint
 
-def build(spec: dict):
-    """The Granite 4.0 host of `spec` and the Box word tokenizer."""
+def build(spec: dict, device: str = "cpu"):
+    """The Granite 4.0 host of `spec` and the Box word tokenizer (on the meta device: shapes only, no memory)."""
     from llm_surgery.box_data import build_box_tokenizer
     from llm_surgery.hosts import build_tiny_host
 
     tok = build_box_tokenizer()
     head_dim = spec["hidden"] // spec["heads"]
-    model = build_tiny_host("granite", seed=spec["seed"], hidden_size=spec["hidden"], vocab_size=len(tok),
-                            pattern=spec["pattern"], num_attention_heads=spec["heads"],
-                            num_key_value_heads=spec["kv_heads"], attention_multiplier=head_dim ** -0.5,
-                            mamba_d_state=spec["mamba_state"], mamba_chunk_size=64,
-                            position_embedding_type="rope", **PLAIN["plain"])
+    with torch.device(device):
+        model = build_tiny_host("granite", seed=spec["seed"], hidden_size=spec["hidden"], vocab_size=len(tok),
+                                pattern=spec["pattern"], num_attention_heads=spec["heads"],
+                                num_key_value_heads=spec["kv_heads"], attention_multiplier=head_dim ** -0.5,
+                                mamba_d_state=spec["mamba_state"], mamba_chunk_size=64, device=device,
+                                position_embedding_type="rope", **PLAIN["plain"])
     return model, tok
 
 
 def unique_weights(model) -> dict[str, torch.Tensor]:
-    """The state dict without the tied copies (the LM head is the embedding)."""
-    seen, out = set(), {}
-    for name, t in model.state_dict().items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out[name] = t
-    return out
+    """The state dict without the tied copies (the LM head is the embedding: `named_parameters` lists it once)."""
+    keep = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    return {k: v for k, v in model.state_dict().items() if k in keep}
 
 
 def transport_bytes(model) -> int:
@@ -165,6 +162,10 @@ def stage_pretrain(args, out: Path, log) -> dict:
     from llm_surgery.train.setup import make_accelerator, use_cuda_kernels
 
     spec = spec_of(args)
+    need = transport_bytes(build(spec, "meta")[0])
+    if need > TRANSPORT_MIB * 2**20:
+        raise Refused(f"this host's bf16 weights take {need / 2**20:.1f} MiB, over the {TRANSPORT_MIB} MiB that can "
+                      "cross device calls: choose a smaller --hidden or --pattern")
     if args.resume:
         model, tok, state = load_host(Path(args.resume), spec)
         if state["step"] >= spec["host_steps"]:
@@ -172,10 +173,6 @@ def stage_pretrain(args, out: Path, log) -> dict:
     else:
         model, tok = build(spec)
         state = {"spec": spec, "step": 0, "calls": [], "curve": []}
-    need = transport_bytes(model)
-    if need > TRANSPORT_MIB * 2**20:
-        raise Refused(f"this host's bf16 weights take {need / 2**20:.1f} MiB, over the {TRANSPORT_MIB} MiB that can "
-                      "cross device calls: choose a smaller --hidden or --pattern")
     accelerator = make_accelerator(trainer_config(args))
     use_cuda_kernels(trainer_config(args), accelerator, log)  # the host's Mamba2 layers on mamba-ssm's kernels
     sets = eval_sets(accelerator, tok, args)
@@ -245,8 +242,8 @@ def stage_finetune(args, out: Path, log) -> dict:
             args.seed = seed
             log(f"== {kind} seed {seed}: {recipe}, {args.steps} steps x batch {args.batch}")
             cfg = trainer_config(args, model=str(hf_dir), kind=kind, max_steps=args.steps, batch_size=args.batch,
-                                 log_every=max(1, args.steps // 10), output_dir=str(Path(args.work) / f"{kind}-s{seed}"),
-                                 eval_host=not runs, **recipe)  # the host alone once per call
+                                 log_every=max(1, args.steps // 10), eval_host=not runs,  # host alone: once a call
+                                 output_dir=str(Path(args.work) / f"{kind}-s{seed}"), **recipe)
             res = train(cfg)
             seconds = time.time() - t0
             log(f"{kind} seed {seed}: {seconds:.0f} s; test {summary(res['test'])}")
@@ -264,7 +261,11 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _mean_std(xs: list[float]) -> tuple[float, float]:
+def _mean_std(xs: list[float | None]) -> tuple[float, float] | None:
+    """Mean and standard deviation (0 for one value) in %; None where a split had nothing to score."""
+    xs = [100 * x for x in xs if x is not None]
+    if not xs:
+        return None
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
@@ -290,13 +291,13 @@ def stage_summarize(args, out: Path, log) -> dict:
         row = {"label": label, "seeds": len(tests)}
         for split in ("iid", "ood"):
             for metric in ("accuracy", "state_accuracy"):
-                row[f"{split}_{metric}"] = _mean_std([100 * (t[split][metric] or 0.0) for t in tests])
+                row[f"{split}_{metric}"] = _mean_std([t[split][metric] for t in tests])
         by = {str(n): {"accuracy": statistics.fmean(t["by_num_ops"][str(n)]["accuracy"] for t in tests)}
               for n in range(max_ops + 1)}
         rows.append(row)
         curves.append({"label": f"{label} (mean of {len(tests)})" if len(tests) > 1 else label,
                        "test": {"by_num_ops": by, "train_max_ops": 6}})
-    pm = lambda v: f"{v[0]:.1f} ± {v[1]:.1f}"  # noqa: E731
+    pm = lambda v: "-" if v is None else f"{v[0]:.1f} ± {v[1]:.1f}"  # noqa: E731
     lines = ["| run | seeds | IID exact | OOD exact | IID whole state | OOD whole state |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['label']} | {r['seeds']} | {pm(r['iid_accuracy'])} | {pm(r['ood_accuracy'])} | "
               f"{pm(r['iid_state_accuracy'])} | {pm(r['ood_state_accuracy'])} |" for r in rows]

@@ -141,3 +141,19 @@ def test_pretraining_loop_resumes_its_schedule_with_a_rewarm(monkeypatch):
     assert lrs == pytest.approx([full[6] / 2, full[7], full[8], full[9]])
     with pytest.raises(ValueError, match="start must be in"):
         train_all_weights(_Tiny(), batches, steps=10, lr=1.0, start=10)
+
+
+def test_summarize_refuses_results_of_different_hosts_and_an_empty_folder(tmp_path, capsys):
+    for i, fingerprint in enumerate(("aaaa", "bbbb")):
+        (tmp_path / f"finetune-pdssm-s{i}.json").write_text(json.dumps({"host": {"fingerprint": fingerprint},
+                                                                        "runs": []}))
+    with pytest.raises(SystemExit) as e:
+        box_scale.main(["summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
+    assert e.value.code == 2 and "2 different hosts (aaaa, bbbb)" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        box_scale.main(["summarize", str(tmp_path / "empty"), "--out", str(tmp_path / "summary")])
+    assert "no finetune-*.json results in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        box_scale.load_host(tmp_path)  # a folder that is no checkpoint
+    assert "is not a box_scale host checkpoint (no state.json)" in capsys.readouterr().err
