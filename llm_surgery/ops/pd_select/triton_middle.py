@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pd_transition.triton_fused import polar_parts
+
 GATES = {None: 0, "sigmoid": 1, "hard": 2, "decay": 3, "off": 4}
 
 
@@ -54,7 +56,7 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     c_re_w = tl.load(cw, mask=cmask, other=0.0)
     c_im_w = tl.load(cw + 1, mask=cmask, other=0.0)
     skip = tl.load(skip_ptr + h * P + p, mask=pm, other=0.0)
-    bias = tl.load(bias_ptr + h * N + n, mask=nm, other=0.0)
+    bias = tl.load(bias_ptr + h * N + n, mask=nm, other=0.0).to(tl.float32)
     seq = b.to(tl.int64) * H + h
     x_re = tl.load(x0re_ptr + seq * N + n, mask=nm, other=0.0)
     x_im = tl.load(x0im_ptr + seq * N + n, mask=nm, other=0.0)
@@ -71,15 +73,9 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
                       other=float("-inf")).to(tl.float32)
         kstar = tl.argmax(sel, axis=1, tie_break_left=True)
         valid = tm[:, None] & nm[None, :]
-        a = tl.load(proj_ptr + row[:, None] + K + n[None, :], mask=valid, other=0.0).to(tl.float32) + bias[None, :]
-        phase = tl.load(proj_ptr + row[:, None] + K + N + n[None, :], mask=valid, other=0.0).to(tl.float32)
-        mag = 1.0 / (1.0 + tl.exp(a))
-        if SNAP:
-            mag = tl.minimum(mag * snap_scale, 1.0)
-        if LEVELS:
-            phase = tl.floor(phase / phase_step + 0.5) * phase_step
-        d_re = mag * tl.cos(phase)
-        d_im = mag * tl.sin(phase)
+        mag, _, cos, sin, a = polar_parts(proj_ptr, bias, row, n, tm, snap_scale, phase_step, K, N, SNAP, LEVELS)
+        d_re = mag * cos
+        d_im = mag * sin
         pt = tl.load(pdict_ptr + (h * K + kstar[:, None]) * N + n[None, :], mask=valid, other=0)
         if HAS_MASK:
             keep = (tl.load(mask_ptr + b.to(tl.int64) * L + t, mask=tm, other=1) != 0)[:, None]
@@ -250,7 +246,7 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
     b_re = tl.load(bw, mask=np_mask, other=0.0)
     b_im = tl.load(bw + 1, mask=np_mask, other=0.0)
     skip = tl.load(skip_ptr + h * P + p, mask=pm, other=0.0)
-    bias = tl.load(bias_ptr + h * N + n, mask=nm, other=0.0)
+    bias = tl.load(bias_ptr + h * N + n, mask=nm, other=0.0).to(tl.float32)
     gc_re = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     gc_im = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     gb_re_w = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
@@ -280,18 +276,8 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
         sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=kmask, other=float("-inf")).to(tl.float32)
         kstar = tl.argmax(sel, axis=1, tie_break_left=True)
         tl.store(kstar_ptr + seq * L + t, kstar.to(tl.int64), mask=tm)
-        a = tl.load(proj_ptr + row[:, None] + K + n[None, :], mask=valid, other=0.0).to(tl.float32) + bias[None, :]
-        phase = tl.load(proj_ptr + row[:, None] + K + N + n[None, :], mask=valid, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(a))      # sigmoid(-a)
-        mag = sig
-        dmag = -sig * (1.0 - sig)
-        if SNAP:
-            dmag = tl.where(sig * snap_scale <= 1.0, dmag * snap_scale, 0.0)
-            mag = tl.minimum(sig * snap_scale, 1.0)
-        if LEVELS:
-            phase = tl.floor(phase / phase_step + 0.5) * phase_step
-        cos = tl.cos(phase)
-        sin = tl.sin(phase)
+        mag, dmag, cos, sin, a = polar_parts(proj_ptr, bias, row, n, tm, snap_scale, phase_step, K, N, SNAP, LEVELS)
+        sig = 1.0 / (1.0 + tl.exp(a))      # sigmoid(-a) before the snap: the decay gate's derivative
         d_re = tl.where(valid, mag * cos, 0.0)
         d_im = tl.where(valid, mag * sin, 0.0)
         pt = tl.load(pdict_ptr + (h * K + kstar[:, None]) * N + n[None, :], mask=valid, other=0)

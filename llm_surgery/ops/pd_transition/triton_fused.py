@@ -32,14 +32,15 @@ def _tokens(L, H, W, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr,
-                 SNAP: tl.constexpr, LEVELS: tl.constexpr):
-    """(|D|, d|D|/da, cos phi, sin phi) tiles [T, BLOCK_N] of the rows `row` (offsets of each token's head block).
-    SNAP: |D| = min(1, snap_scale * sigmoid(-a)); LEVELS: phi rounded to a multiple of phase_step."""
-    nm = n < N
-    valid = tmask[:, None] & nm[None, :]
+def polar_parts(proj_ptr, bias, row, n, tmask, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr,
+                SNAP: tl.constexpr, LEVELS: tl.constexpr):
+    """(|D|, d|D|/da, cos phi, sin phi, a) tiles [T, BLOCK_N] of the rows `row` (offsets of each token's head
+    block), a = decay logit + `bias` (the head's [BLOCK_N] float32 decay bias, loaded once by the caller).
+    SNAP: |D| = min(1, snap_scale * sigmoid(-a)); LEVELS: phi rounded to a multiple of phase_step. The one home of
+    D_t's maths on the GPU: these kernels and the one-kernel middle (ops/pd_select/triton_middle.py) call it."""
+    valid = tmask[:, None] & (n[None, :] < N)
     a = tl.load(proj_ptr + row[:, None] + K + n[None, :], mask=valid, other=0.0).to(tl.float32)
-    a += tl.load(bias_ptr + h * N + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    a += bias[None, :]
     phase = tl.load(proj_ptr + row[:, None] + K + N + n[None, :], mask=valid, other=0.0).to(tl.float32)
     mag = 1.0 / (1.0 + tl.exp(a))  # sigmoid(-a) = exp(-softplus(a))
     dmag = -mag * (1.0 - mag)
@@ -48,7 +49,7 @@ def _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K
         mag = tl.minimum(mag * snap_scale, 1.0)
     if LEVELS:
         phase = tl.floor(phase / phase_step + 0.5) * phase_step
-    return mag, dmag, tl.cos(phase), tl.sin(phase)
+    return mag, dmag, tl.cos(phase), tl.sin(phase), a
 
 
 @triton.jit
@@ -62,8 +63,8 @@ def _transition_fwd_kernel(proj_ptr, bias_ptr, mask_ptr, pdict_ptr, dre_ptr, dim
     sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=tmask[:, None] & (k[None, :] < K),
                   other=float("-inf")).to(tl.float32)
     kstar = tl.argmax(sel, axis=1, tie_break_left=True)
-    mag, _, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K, N, SNAP,
-                                    LEVELS)
+    bias = tl.load(bias_ptr + h * N + n, mask=n < N, other=0.0).to(tl.float32)
+    mag, _, cos, sin, _ = polar_parts(proj_ptr, bias, row, n, tmask, snap_scale, phase_step, K, N, SNAP, LEVELS)
     d_re = mag * cos
     d_im = mag * sin
     valid = tmask[:, None] & (n[None, :] < N)
@@ -97,8 +98,8 @@ def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr
     g_sel = s * (r - tl.sum(s * r, axis=1)[:, None]) * inv_tau
     # D = |D| (cos phi + i sin phi), |D| = sigmoid(-a) (or its snapped form): chain rule from the planes'
     # gradients; a rounded phase passes its gradient straight through
-    mag, dmag, cos, sin = _polar_parts(proj_ptr, bias_ptr, row, h, n, tmask, snap_scale, phase_step, K, N, SNAP,
-                                       LEVELS)
+    bias = tl.load(bias_ptr + h * N + n, mask=n < N, other=0.0).to(tl.float32)
+    mag, dmag, cos, sin, _ = polar_parts(proj_ptr, bias, row, n, tmask, snap_scale, phase_step, K, N, SNAP, LEVELS)
     valid = tmask[:, None] & (n[None, :] < N)
     out = seq[:, None] * N + n[None, :]
     g_re = tl.load(gre_ptr + out, mask=valid, other=0.0)
