@@ -87,6 +87,33 @@ def _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N, unit_snap: float = 0
     return None
 
 
+class _Grads:
+    """The input and weight gradients that both backwards (separate kernels, one kernel) accumulate over the
+    batch slices, in float32, and the autograd return built from them."""
+
+    def __init__(self, u, Wx, M, C, b_gate):
+        B, dev = u.shape[0], u.device
+        H, K, N = M.shape[:3]
+        P = C.shape[1]
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.u = torch.empty_like(u)
+        self.x0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
+        self.G = torch.zeros(H, K, N, N, **f32)           # dictionary sums, before the softmax's Jacobian
+        self.C = torch.zeros(2, H, P, N, **f32)
+        self.skip = torch.zeros(H, P, **f32)
+        self.bias = torch.zeros(H * N, **f32)
+        self.Wx = torch.zeros(Wx.shape, **f32)
+        self.Bw = None if b_gate == "off" else torch.zeros(2, H, N, P, **f32)
+
+    def result(self, tau, Wx, decay_bias, M, Bw, C, D_skip):
+        """fused_middle's gradients, in its inputs' order and dtypes (None for the non-tensor inputs)."""
+        gM = softmax_jacobian_apply(M, self.G, tau, dim=-2)
+        gC = torch.stack([self.C[0], self.C[1]], dim=-1).to(C.dtype)
+        gBw = None if self.Bw is None else torch.stack([self.Bw[0], self.Bw[1]], dim=-1).to(Bw.dtype)
+        return (self.u, self.Wx.to(Wx.dtype), self.bias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw,
+                self.x0, gC, self.skip.to(D_skip.dtype), None, None, None, None, None, None)
+
+
 class _FusedMiddle(torch.autograd.Function):
     # Both passes walk the batch in slices whose temporaries (the projection and its gradient, b and D planes,
     # P_t, k*, dL/dx = dL/db, dL/dD, r) stay near this many bytes: the backward runs while the whole graph's
@@ -199,6 +226,7 @@ class _FusedMiddle(torch.autograd.Function):
         dev = u.device
         Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
+        g = _Grads(u, Wx, M, C, ctx.b_gate)
         if g_y is None:
             g_y = torch.zeros_like(u)
         elif g_y.stride(-1) != 1:
@@ -208,35 +236,23 @@ class _FusedMiddle(torch.autograd.Function):
             zero = torch.zeros(B, H, N, device=dev, dtype=torch.float32)
             g_last = (zero if g_last_re is None else g_last_re.float(), zero if g_last_im is None else g_last_im.float())
         x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
-        gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
-        G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
-        gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
-        gskip = torch.zeros(H, P, dtype=torch.float32, device=dev)
-        gbias = torch.zeros(H * N, dtype=torch.float32, device=dev)
-        gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
-        g_u = torch.empty_like(u)
-        gBw = None if ctx.b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
         for sl in _FusedMiddle._slices_one_kernel(B, L, H, N, P, W, dev):
             b = u[sl].shape[0]
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
             gproj, g_ub, lam, dx, kstar, (gr, gi) = triton_middle.middle_bwd(
                 proj, u[sl], g_y[sl], (x_re[sl], x_im[sl]), (x0_re[sl], x0_im[sl]),
                 None if g_last is None else (g_last[0][sl], g_last[1][sl]), Bf, Cf, skip, decay_bias, P_dict,
-                gC, gskip, gBw, gbias, ctx.tau, None if mask is None else mask[sl], ctx.b_gate, ctx.unit_snap,
+                g.C, g.skip, g.Bw, g.bias, ctx.tau, None if mask is None else mask[sl], ctx.b_gate, ctx.unit_snap,
                 ctx.phase_levels, precision)
             del proj
-            gx0[sl] = torch.complex(gr, gi)
-            G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
+            g.x0[sl] = torch.complex(gr, gi)
+            g.G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
             del lam, dx, kstar
             gp = gproj.view(b * L, H * W)
-            gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            g.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g.u[sl].view(b * L, d))
             del gproj, gp, g_ub
-        gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
-        gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
-        gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
-        return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
-                gskip.to(D_skip.dtype), None, None, None, None, None, None)
+        return g.result(ctx.tau, Wx, decay_bias, M, Bw, C, D_skip)
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
@@ -253,23 +269,15 @@ class _FusedMiddle(torch.autograd.Function):
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
-        dev = x_re.device
         Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
-        gx0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
-        G = torch.zeros(H, K, N, N, dtype=torch.float32, device=dev)
-        gC = torch.zeros(2, H, P, N, dtype=torch.float32, device=dev)
-        gskip = torch.zeros(H, P, dtype=torch.float32, device=dev)
-        gbias = torch.zeros(decay_bias.numel(), dtype=torch.float32, device=dev)
-        gWx = torch.zeros(Wx.shape, dtype=torch.float32, device=dev)
-        g_u = torch.empty_like(u)
-        gBw = None if b_gate == "off" else torch.zeros(2, H, N, P, dtype=torch.float32, device=dev)
+        g = _Grads(u, Wx, M, C, b_gate)
         for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
             gy = torch.zeros_like(u[sl]) if g_y is None else g_y[sl]                 # [b, L, H*P]
-            g_re, g_im = readout_bwd(gy, xr, xi, Cf, u[sl], gC, gskip, precision)
+            g_re, g_im = readout_bwd(gy, xr, xi, Cf, u[sl], g.C, g.skip, precision)
             if g_last_re is not None:
                 g_re[:, :, -1] += g_last_re[sl]
             if g_last_im is not None:
@@ -278,18 +286,18 @@ class _FusedMiddle(torch.autograd.Function):
             proj = F.linear(u[sl], Wu).view(b, L, H, W)
             D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             gD_re, gD_im = torch.empty_like(D_re), torch.empty_like(D_im)
-            *_, gx0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
-                                                 out=(gD_re, gD_im, g_re, g_im))
+            *_, g.x0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
+                                                   out=(gD_re, gD_im, g_re, g_im))
             gb_re, gb_im = g_re, g_im
             del P_t
             # straight-through sums, then the transition's own backward
             G_s, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
                                       m, K, precision=precision)
-            G += G_s
+            g.G += G_s
             del D_re, D_im, kstar
             gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
                                                    unit_snap, phase_levels)
-            gbias += gbias_s.view(-1)
+            g.bias += gbias_s.view(-1)
             del gD_re, gD_im, r
             # injection b = (B_h u_t) * gate
             if b_gate != "off":
@@ -301,21 +309,17 @@ class _FusedMiddle(torch.autograd.Function):
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
                     g_bias_gate = _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N, unit_snap)
                     if g_bias_gate is not None:
-                        gbias += g_bias_gate
+                        g.bias += g_bias_gate
                     gb_re, gb_im = gb_re * gate, gb_im * gate
-                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, gBw, precision)
+                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, g.Bw, precision)
             else:
                 g_ub = injection_bwd(None, None, gy, u[sl], skip, Bf, None, precision)
             # the projection proj = u Wx^T; dL/du = dL/dproj Wx + the skip's and the injection's parts
             gp = gproj.view(b * L, H * W)
-            gWx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g_u[sl].view(b * L, d))
+            g.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g.u[sl].view(b * L, d))
             del gproj, gp, g_ub, gy
-        gM = softmax_jacobian_apply(M, G, ctx.tau, dim=-2)
-        gC = torch.stack([gC[0], gC[1]], dim=-1).to(C.dtype)
-        gBw = None if gBw is None else torch.stack([gBw[0], gBw[1]], dim=-1).to(Bw.dtype)
-        return (g_u, gWx.to(Wx.dtype), gbias.to(decay_bias.dtype).view(decay_bias.shape), gM, gBw, gx0, gC,
-                gskip.to(D_skip.dtype), None, None, None, None, None, None)
+        return g.result(ctx.tau, Wx, decay_bias, M, Bw, C, D_skip)
 
 
 def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
