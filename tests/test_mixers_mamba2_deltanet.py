@@ -292,6 +292,27 @@ def test_library_layer_borrows_the_parameters(kind):
         bind_parameters(other, owner)
 
 
+def test_library_layer_is_built_once_and_kept_out_of_the_state_dict():
+    """common.library_layer builds the library layer on the first call only, bound to the owner's parameters and
+    outside its state dict; a build that finds none (None) is remembered too."""
+    from llm_surgery.layers.common import library_layer
+
+    owner, builds = make_deltanet(), []
+
+    def build():
+        builds.append(1)
+        with torch.device("meta"):
+            return make_deltanet()
+
+    keys = set(owner.state_dict())
+    first = library_layer(owner, build)
+    assert library_layer(owner, build) is first and len(builds) == 1
+    assert all(a is b for a, b in zip(first.parameters(), owner.parameters())) and set(owner.state_dict()) == keys
+    none_owner, none_builds = make_deltanet(), []
+    assert library_layer(none_owner, lambda: none_builds.append(1)) is None
+    assert library_layer(none_owner, lambda: none_builds.append(1)) is None and len(none_builds) == 1
+
+
 def test_mamba2_library_options():
     """mamba-ssm's Mamba2 ties its inner width to an integer expand: such layers map onto it, others do not."""
     m = Mamba2Mixer(64, head_dim=16, state_size=8, n_groups=2)

@@ -125,6 +125,21 @@ def rebind(binds: list) -> None:
         lib_module._parameters[leaf] = own_module._parameters[leaf]
 
 
+def library_layer(owner: nn.Module, build) -> nn.Module | None:
+    """The library layer `owner` runs on CUDA, on `owner`'s own parameters: `build()` makes it (on the meta device;
+    None: there is none) on the first call, it is kept out of `state_dict()` / `parameters()`, and each call points
+    it at the owner's current parameters (`rebind`)."""
+    built = owner.__dict__.get("_library_layer")
+    if built is None:
+        layer = build()
+        built = owner.__dict__["_library_layer"] = False if layer is None else (layer, bind_parameters(layer, owner))
+    if built is False:
+        return None
+    layer, binds = built
+    rebind(binds)
+    return layer
+
+
 def apply_padding_mask(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero the positions that are padding ([B, L] mask, 1 = token) so they cannot write into the state."""
     if attention_mask is None:

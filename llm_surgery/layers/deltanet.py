@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import (apply_padding_mask, bind_parameters, causal_conv1d, check_attention_mask, check_hidden_states,
-                     rebind)
+from .common import apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states, library_layer
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -177,16 +176,11 @@ class DeltaNetMixer(nn.Module):
                     qk_activation="silu", qk_norm="l2", norm_eps=self.norm_eps)
 
     def _library(self, layer_cls):
-        """fla's `DeltaNet` running on this module's parameters, built on the first CUDA call and kept out of
-        `state_dict()` / `parameters()`."""
-        built = self.__dict__.get("_library_layer")
-        if built is None:
+        """fla's `DeltaNet` running on this module's parameters (`common.library_layer`)."""
+        def build():
             with torch.device("meta"):
-                layer = layer_cls(**self.library_options())
-            built = self.__dict__["_library_layer"] = (layer, bind_parameters(layer, self))
-        layer, binds = built
-        rebind(binds)
-        return layer
+                return layer_cls(**self.library_options())
+        return library_layer(self, build)
 
     def _library_with_state(self, kernels, layer, x, mask, conv_state, S0):
         """fla's pieces on a call that continues or returns a state. fla's conv caches hold the last conv_kernel

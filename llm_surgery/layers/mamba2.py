@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import (GatedRMSNorm, apply_padding_mask, bind_parameters, causal_conv1d, check_attention_mask,
-                     check_hidden_states, is_right_padding, rebind)
+from .common import (GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states,
+                     is_right_padding, library_layer)
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -203,16 +203,9 @@ class Mamba2Mixer(nn.Module):
                     chunk_size=self.chunk_size)
 
     def _library(self):
-        """mamba-ssm's `Mamba2` running on this module's parameters, built on the first CUDA call and kept out of
-        `state_dict()` / `parameters()`; None where mamba-ssm is absent or cannot hold this shape."""
-        built = self.__dict__.get("_library_layer")
-        if built is None:
-            built = self.__dict__["_library_layer"] = self._build_library() or False
-        if built is False:
-            return None
-        layer, binds = built
-        rebind(binds)
-        return layer
+        """mamba-ssm's `Mamba2` running on this module's parameters (`common.library_layer`); None where mamba-ssm
+        is absent or cannot hold this shape."""
+        return library_layer(self, self._build_library)
 
     def _build_library(self):
         found, options = mamba_module(), self.library_options()
@@ -227,7 +220,7 @@ class Mamba2Mixer(nn.Module):
         with torch.device("meta"):
             layer = cls(**options, use_mem_eff_path=fused)
         layer.norm.eps = self.norm.eps
-        return layer, bind_parameters(layer, self)
+        return layer
 
     def _library_step(self, layer, x, conv_state, ssm_state):
         """One token through `Mamba2.step` (causal_conv1d_update + selective_state_update). Its conv state holds
