@@ -13,16 +13,16 @@ LORA_DIR = "lora"
 PEFT_PREFIX = "base_model.model."   # the key prefix of a PeftModel's saved adapter
 
 
-def lora_config(cfg, model):
-    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`) for `model`: on
-    the host's modules of those names, never inside the inserted layers (`pre_ssm`): DeltaNet's projections carry the
-    attention names (q/k/v/o_proj), and a mixer runs its library layer on its own parameters, which a LoRA wrapper
-    would rename. (The exclusion is set only where it excludes something: peft warns about one that does not.)"""
+def lora_config(cfg, model=None):
+    """The peft LoraConfig of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`, `--lora-targets`): on the host's
+    modules of those names; given the `model` to inject into, never inside its inserted layers (`pre_ssm`):
+    DeltaNet's projections carry the attention names (q/k/v/o_proj), and a mixer runs its library layer on its own
+    parameters, which a LoRA wrapper would rename. Without `model`: the saved adapter's config, the host's alone."""
     from peft import LoraConfig
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
-                      exclude_modules=_inserted_layers_pattern(targets, model))
+                      exclude_modules=None if model is None else _inserted_layers_pattern(targets, model))
 
 
 def _inserted_layers_pattern(targets, model) -> str | None:
@@ -60,9 +60,8 @@ def save_final(accelerator, model, final_dir: Path, cfg) -> None:
         if cfg.lora_r:
             from peft import get_peft_model_state_dict
 
-            lcfg = lora_config(cfg, inner)
+            lcfg = lora_config(cfg)   # the host's alone: load_trained sets the exclusion for the model it fills
             lcfg.base_model_name_or_path = str(cfg.model) if cfg.model else None
-            lcfg.exclude_modules = None   # the adapter is the host's alone: load_trained sets the exclusion again
             lcfg.save_pretrained(str(tmp / LORA_DIR))
             lora = get_peft_model_state_dict(inner, state_dict=full)
             save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in lora.items()},
@@ -84,7 +83,8 @@ def load_trained(model, final_dir: str | Path):
         lcfg = LoraConfig.from_pretrained(str(adapter))
         lcfg.exclude_modules = _inserted_layers_pattern(lcfg.target_modules, model)
         inject_adapter_in_model(lcfg, model)
-        weights = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
+        saved = load_file(str(adapter / "adapter_model.safetensors"))
+        weights = {k.removeprefix(PEFT_PREFIX): v for k, v in saved.items()}
         result = set_peft_model_state_dict(model, weights)
         if result.unexpected_keys:
             raise ValueError(f"{adapter} has tensors this host lacks: {sorted(result.unexpected_keys)[:5]}")
