@@ -218,6 +218,7 @@ def stage_finetune(args, out: Path, log) -> dict:
     from box_repro import trainer_config
 
     from llm_surgery.train import train
+    from llm_surgery.train.outputs import write_json
     from llm_surgery.train.paper import recipe_defaults
 
     model, tok, state = load_host(Path(args.host))
@@ -250,15 +251,9 @@ def stage_finetune(args, out: Path, log) -> dict:
             runs.append({"kind": kind, "seed": seed, "test": res["test"], "host_alone": res["host_alone"],
                          "params": res["params"], "seconds": round(seconds),
                          "tokens_per_s": res["throughput"]["tokens_per_s_per_process"]})
-            write_json_atomic(out / name, result)  # after every run: a call cut short keeps the runs it finished
+            write_json(out / name, result)  # after every run: a call cut short keeps the runs it finished
             log(f"wrote {out / name} ({len(runs)} runs)")
     return json.loads(json.dumps(result))
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _mean_std(xs: list[float | None]) -> tuple[float, float] | None:
