@@ -1,4 +1,4 @@
-"""Issues 7 and 9 in one GPU call: the paper's Table 1 (pdssm, mamba2, deltanet on four tasks, appendix B.1
+"""In one GPU call: the paper's Table 1 (pdssm, mamba2, deltanet on four tasks, appendix B.1
 setup) and one-layer group word problems (S3, A5; element and generator tokens), all runs in parallel with a
 per-run time limit computed from one wall-clock budget, so the call cannot overrun.
 
@@ -6,7 +6,7 @@ per-run time limit computed from one wall-clock budget, so the call cannot overr
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --quick --device cpu --jobs 4   # CPU smoke test, ~70 s
     python bench/state_tracking_gpu.py --summarize a.jsonl,b.jsonl --plot len.png       # tables (+ plot) from JSONL
     PYTHONPATH=$PWD python bench/state_tracking_gpu.py --protocol table1 --mps --jobs 24 \
-        --checkpoint-dir ck --pause-after 530        # issue 45: every kind under one protocol (repeat until exit 0)
+        --checkpoint-dir ck --pause-after 530        # every kind under one protocol (repeat until exit 0)
 
 Every run is time-limited (the schedules run on time: warm-up, cosine decay, curriculum and tau all finish);
 by default the runs go in --waves 2 waves of parallel processes (52 runs: 26 at a time); results go to --out
@@ -419,7 +419,7 @@ def parse_args(argv=None):
                     help="spread the runs over this many GPUs (cuda:0..N-1, round robin; with --device cuda)")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
     ap.add_argument("--protocol", default=None, choices=["table1", "groups", "table1,groups"],
-                    help="run issue 45's protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
+                    help="run the common protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
                          "instead of the sweep: a learning-rate search, then the reported seeds at the chosen "
                          "rates; fixed steps (resume across calls with --checkpoint-dir and --pause-after)")
     ap.add_argument("--protocol-seeds", type=int, default=5, help="reported seeds per kind and task (0..n-1)")

@@ -1,4 +1,4 @@
-"""One protocol for every mixer kind (issue 45): the same steps, curriculum, validation-based selection, optimizer
+"""One protocol for every mixer kind: the same steps, curriculum, validation-based selection, optimizer
 and learning-rate search for pdssm, mamba2 and deltanet, with models whose parameter counts match within 5%.
 
 Two stages per (kind, task):
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 
+from ...layers.registry import MIXER_KINDS
 from .__main__ import _mean_se
 from .tasks import TABLE1_TASKS
 from .train import ONE_LAYER_RECIPES, TrainConfig, build_model, cli_defaults
 
 GROUP_TASKS = ("s3", "s3_gen", "a5", "a5_gen")
-KINDS = ("pdssm", "mamba2", "deltanet")
+KINDS = MIXER_KINDS
 # Training settings shared by every kind. pdssm's Table 1 settings as in BENCHMARKS.md's table (its ~37k steps a
 # run, validation every 500 steps, curriculum over 30%, Adam eps 1e-6), now fixed in steps rather than seconds, so
 # that every kind gets the same number of updates whatever its speed.
