@@ -37,18 +37,26 @@ SHARD_MIB = 15  # files from $OUT: at most 16 MiB each, 8 in all
 RECIPE = "granite350m"  # the paper's recipe of the nearest Granite 4.0 size (llm_surgery.train.paper)
 
 #: What determines the host (a resume must match it): its shape and its pretraining.
-HOST_KEYS = ("hidden", "pattern", "heads", "kv_heads", "mamba_state", "host_steps", "host_batch", "host_lr",
-             "host_sequences", "warmup_ratio", "data_seed", "seed")
+HOST_KEYS = ("hidden", "pattern", "heads", "kv_heads", "mamba_state", "host_data", "host_steps", "host_batch",
+             "host_lr", "host_sequences", "warmup_ratio", "data_seed", "seed")
 SCALES = {
     # 27.0 M parameters (51.4 MiB in bf16): 16 layers, 3 Mamba2 : 1 attention (the Granite 4.0 H hosts are
     # Mamba2 hybrids), RoPE and plain multipliers as in the small reproduction whose host learned the lookup.
     # 4,000 steps x 256 IID examples (~1 M examples, ~90 M tokens; loss on the completion) in about 2 calls.
-    "27m": dict(hidden=384, pattern="MMM*" * 4, heads=6, kv_heads=2, mamba_state=16, host_steps=4000,
-                host_batch=256, host_lr=6e-4, host_sequences=10000, warmup_ratio=0.1, host_seconds=420,
-                rewarm=100, steps=600, batch=64, sequences=1000, max_eval_examples=4000, eval_batch=256,
-                test_max_ops=26, data_seed=2255, seed=0),
+    "27m": dict(hidden=384, pattern="MMM*" * 4, heads=6, kv_heads=2, mamba_state=16, host_data="task",
+                host_steps=4000, host_batch=256, host_lr=6e-4, host_sequences=10000, warmup_ratio=0.1,
+                host_seconds=420, rewarm=100, steps=600, batch=64, sequences=1000, max_eval_examples=4000,
+                eval_batch=256, test_max_ops=26, data_seed=2255, seed=0),
+    # The same host pretrained on the Box *language* alone (the shipped host's documents, `make_host`: descriptions
+    # with operations, and restatements of boxes; never a query or an answer), the paper's split of roles: only
+    # the inserted layers learn to answer. 2,400 steps x 256 documents of 60,000 fit one call (~0.17 s a step).
+    "27m-language": dict(hidden=384, pattern="MMM*" * 4, heads=6, kv_heads=2, mamba_state=16, host_data="language",
+                         host_steps=2400, host_batch=256, host_lr=6e-4, host_sequences=20000, warmup_ratio=0.1,
+                         host_seconds=450, rewarm=100, steps=600, batch=64, sequences=1000,
+                         max_eval_examples=4000, eval_batch=256, test_max_ops=26, data_seed=2255, seed=0),
     # The CPU check of the flow (seconds): nothing is expected to be learned.
-    "tiny": dict(hidden=32, pattern="M*" * 4, heads=2, kv_heads=1, mamba_state=16, host_steps=8, host_batch=8,
+    "tiny": dict(hidden=32, pattern="M*" * 4, heads=2, kv_heads=1, mamba_state=16, host_data="task", host_steps=8,
+                 host_batch=8,
                  host_lr=3e-3, host_sequences=20, warmup_ratio=0.1, host_seconds=0, rewarm=2, steps=3, batch=4,
                  sequences=20, max_eval_examples=70, eval_batch=64, test_max_ops=8, data_seed=2255, seed=0),
 }
@@ -152,13 +160,31 @@ def spec_of(args) -> dict:
                                           "max_eval_examples", "eval_batch", "test_max_ops")}
 
 
+def host_batches(spec: dict, tok, start: int):
+    """(endless training batches from step `start` on, what they are): "task", Box examples with the loss on the
+    completion (the host learns to answer IID queries itself); "language", the shipped host's documents with the
+    loss on every token (it learns to read the boxes, never to answer)."""
+    import itertools
+
+    from llm_surgery.train import make_host
+    from llm_surgery.train.data import make_splits
+    from llm_surgery.train.host import task_batches
+
+    if spec["host_data"] == "language":
+        docs, _ = make_host.language_documents(spec["host_sequences"], doc_seed=1, seed=spec["seed"])
+        batches = make_host.shuffled_batches(make_host.encode_docs(tok, docs), spec["host_batch"], spec["seed"])
+        return itertools.islice(batches, start, None), f"{len(docs):,} Box-language documents (no queries)"
+    records = make_splits(spec["host_sequences"], spec["data_seed"], 6, 6)["train"]
+    return (task_batches(tok, records, spec["host_batch"], spec["seed"], start),
+            f"{len(records):,} Box examples (loss on the answers)")
+
+
 def stage_pretrain(args, out: Path, log) -> dict:
     """Pretrain (or continue) the host for at most --host-seconds; write the checkpoint to <out>/host."""
     from box_repro import eval_sets, trainer_config
 
-    from llm_surgery.train.data import make_splits
     from llm_surgery.train.evaluate import evaluate
-    from llm_surgery.train.host import pretrain
+    from llm_surgery.train.host import train_all_weights
     from llm_surgery.train.setup import make_accelerator, use_cuda_kernels
 
     spec = spec_of(args)
@@ -176,19 +202,18 @@ def stage_pretrain(args, out: Path, log) -> dict:
     accelerator = make_accelerator(trainer_config(args))
     use_cuda_kernels(trainer_config(args), accelerator, log)  # the host's Mamba2 layers on mamba-ssm's kernels
     sets = eval_sets(accelerator, tok, args)
-    records = make_splits(spec["host_sequences"], spec["data_seed"], 6, 6)["train"]
+    batches, what = host_batches(spec, tok, state["step"])
     n = sum(p.numel() for p in model.parameters())
     log(f"host: {n:,} params ({need / 2**20:.1f} MiB in bf16), hidden {spec['hidden']}, {spec['pattern']}, heads "
         f"{spec['heads']}/{spec['kv_heads']}; steps {state['step']} -> {spec['host_steps']} x batch "
-        f"{spec['host_batch']}, lr {spec['host_lr']}, {len(records):,} train examples, at most "
-        f"{spec['host_seconds'] or 'no limit on'} s")
+        f"{spec['host_batch']}, lr {spec['host_lr']}, {what}, at most {spec['host_seconds'] or 'no limit on'} s")
     t0, reached = time.time(), []
     amp = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
-    loss = pretrain(model, tok, records, steps=spec["host_steps"], batch_size=spec["host_batch"],
-                    lr=spec["host_lr"], seed=spec["seed"], device=accelerator.device, autocast_dtype=amp,
-                    warmup_ratio=spec["warmup_ratio"], start=state["step"], rewarm_steps=spec["rewarm"],
-                    log=log, log_every=max(1, spec["host_steps"] // 20), on_eval=lambda k, _: reached.append(k),
-                    max_seconds=spec["host_seconds"] or None, stop_at=args.stop_at)  # on_eval: at the last step
+    loss = train_all_weights(model, batches, steps=spec["host_steps"], lr=spec["host_lr"],
+                             device=accelerator.device, autocast_dtype=amp, warmup_ratio=spec["warmup_ratio"],
+                             start=state["step"], rewarm_steps=spec["rewarm"], log=log,
+                             log_every=max(1, spec["host_steps"] // 20), on_eval=lambda k, _: reached.append(k),
+                             max_seconds=spec["host_seconds"] or None, stop_at=args.stop_at)  # on_eval: last step
     seconds = time.time() - t0
     step = reached[-1]
     with accelerator.autocast():
@@ -233,9 +258,10 @@ def stage_finetune(args, out: Path, log) -> dict:
     tok.save_pretrained(hf_dir)
     recipe = {k: v for k, v in recipe_defaults(RECIPE).items()
               if k in ("n", "weight_decay", "warmup_ratio", "lr", "schedule", "min_lr_ratio", "tau", "tau_end")}
-    runs, name = [], f"finetune-{'-'.join(args.kinds)}-s{'-'.join(map(str, args.seeds))}.json"
+    runs = []
+    name = f"finetune-{'-'.join(args.kinds)}-s{'-'.join(map(str, args.seeds))}{'-' + args.tag if args.tag else ''}.json"
     result = {"host": {"fingerprint": state["fingerprint"], "step": state["step"], "spec": spec},
-              "recipe": {"name": RECIPE, **recipe, "steps": args.steps, "batch": args.batch},
+              "recipe": {"name": RECIPE, **recipe, "steps": args.steps, "batch": args.batch}, "set": args.set,
               "device": device_name(torch.device(args.device)), "runs": runs}
     for kind in args.kinds:
         for seed in args.seeds:
@@ -244,12 +270,12 @@ def stage_finetune(args, out: Path, log) -> dict:
             log(f"== {kind} seed {seed}: {recipe}, {args.steps} steps x batch {args.batch}")
             cfg = trainer_config(args, model=str(hf_dir), kind=kind, max_steps=args.steps, batch_size=args.batch,
                                  log_every=max(1, args.steps // 10), eval_host=not runs,  # host alone: once a call
-                                 output_dir=str(Path(args.work) / f"{kind}-s{seed}"), **recipe)
+                                 output_dir=str(Path(args.work) / f"{kind}-s{seed}"), **{**recipe, **args.set})
             res = train(cfg)
             seconds = time.time() - t0
             log(f"{kind} seed {seed}: {seconds:.0f} s; test {summary(res['test'])}")
-            runs.append({"kind": kind, "seed": seed, "test": res["test"], "host_alone": res["host_alone"],
-                         "params": res["params"], "seconds": round(seconds),
+            runs.append({"kind": kind, "seed": seed, "set": args.set, "test": res["test"],
+                         "host_alone": res["host_alone"], "params": res["params"], "seconds": round(seconds),
                          "tokens_per_s": res["throughput"]["tokens_per_s_per_process"]})
             write_json(out / name, result)  # after every run: a call cut short keeps the runs it finished
             log(f"wrote {out / name} ({len(runs)} runs)")
@@ -277,9 +303,11 @@ def stage_summarize(args, out: Path, log) -> dict:
                       "summarize the calls of one host")
     runs = [run for r in loaded for run in r["runs"]]
     host_alone = next((run["host_alone"] for run in runs if run["host_alone"]), None)
+    variant = lambda run: (run["kind"], json.dumps(run.get("set") or {}, sort_keys=True))  # noqa: E731
+    variants = sorted({variant(run) for run in runs}, key=lambda v: (KINDS.index(v[0]), v[1] != "{}", v[1]))
     groups = ([("host alone", [host_alone])] if host_alone else []) + [
-        (f"+ 4 {kind}", [run["test"] for run in runs if run["kind"] == kind])
-        for kind in KINDS if any(run["kind"] == kind for run in runs)]
+        (f"+ 4 {kind}" + ("" if changed == "{}" else f" {changed}"),
+         [run["test"] for run in runs if variant(run) == (kind, changed)]) for kind, changed in variants]
     max_ops = max(int(k) for k in runs[0]["test"]["by_num_ops"])
     rows, curves = [], []
     for label, tests in groups:
@@ -334,6 +362,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", help="finetune: the pretrained host checkpoint")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--set", default="{}", help="finetune: JSON dict of trainer settings over the recipe's, e.g. "
+                    "'{\"lr\": 0.003}' (recorded per run; summarize lists each variant apart)")
+    ap.add_argument("--tag", default="", help="finetune: appended to the results file's name")
     for k, v in SCALES["27m"].items():  # every preset value can be overridden
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None)
     args = ap.parse_args(argv)
@@ -348,6 +379,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         ap.error(f"--seeds must be integers separated by commas, got {args.seeds!r}")
+    try:
+        args.set = json.loads(args.set)
+        assert isinstance(args.set, dict)
+    except (ValueError, AssertionError):
+        ap.error(f"--set must be a JSON object of trainer settings, got {args.set!r}")
+    from llm_surgery.train import TrainConfig
+
+    unknown = sorted(set(args.set) - set(TrainConfig.__dataclass_fields__))
+    if unknown:
+        ap.error(f"--set names no trainer setting: {', '.join(unknown)}")
     if args.stage == "finetune" and not args.host:
         ap.error("finetune needs --host (a checkpoint written by the pretrain stage)")
     if args.stage == "summarize" and not args.results:

@@ -62,9 +62,17 @@ def test_staged_flow_pretrain_in_two_calls_finetune_two_kinds_two_seeds_summariz
         assert res["recipe"]["warmup_ratio"] == 0.1 and res["recipe"]["n"] == 4
         assert all(r["params"]["inserted"] > 0 for r in res["runs"])  # layers were inserted and trained
 
+    # a variant of the recipe (--set), recorded per run and listed apart by summarize
+    _ok(_run("finetune", "--host", str(host), "--kinds", "pdssm", "--seeds", "0", "--set", '{"lr": 0.003}',
+             "--tag", "lr", "--out", str(tmp_path / "results"), "--work", str(tmp_path / "work-lr")))
+    res = json.loads((tmp_path / "results" / "finetune-pdssm-s0-lr.json").read_text())
+    assert res["set"] == {"lr": 0.003} and res["runs"][0]["set"] == {"lr": 0.003}
+    assert json.loads((tmp_path / "work-lr" / "pdssm-s0" / "config.json").read_text())["lr"] == 0.003
+
     _ok(_run("summarize", str(tmp_path / "results"), "--out", str(tmp_path / "summary")))
     summary = json.loads((tmp_path / "summary" / "summary.json").read_text())
     assert [(r["label"], r["seeds"]) for r in summary["rows"]] == [("host alone", 1), ("+ 4 pdssm", 2),
+                                                                  ('+ 4 pdssm {"lr": 0.003}', 1),
                                                                   ("+ 4 mamba2", 2)]
     for row in summary["rows"]:
         for key in ("iid_accuracy", "ood_accuracy", "iid_state_accuracy", "ood_state_accuracy"):
@@ -157,3 +165,32 @@ def test_summarize_refuses_results_of_different_hosts_and_an_empty_folder(tmp_pa
     with pytest.raises(SystemExit):
         box_scale.load_host(tmp_path)  # a folder that is no checkpoint
     assert "is not a box_scale host checkpoint (no state.json)" in capsys.readouterr().err
+
+
+def test_language_host_learns_every_token_of_documents_without_queries_and_resumes_its_order():
+    from llm_surgery.train import make_host
+
+    tok = box_scale.build(box_scale.SCALES["tiny"], "meta")[1]
+    spec = {**box_scale.SCALES["tiny"], "host_data": "language", "host_sequences": 30}
+    batches, what = box_scale.host_batches(spec, tok, 0)
+    first = [next(batches) for _ in range(4)]
+    assert "no queries" in what
+    for b in first:  # the loss on every real token, each document closed by EOS
+        assert torch.equal(b["labels"] != -100, b["attention_mask"] == 1)
+        ends = b["attention_mask"].sum(1) - 1
+        assert (b["input_ids"][torch.arange(len(ends)), ends] == tok.eos_token_id).all()
+    resumed = next(box_scale.host_batches(spec, tok, 3)[0])  # a resumed call goes on with the 4th batch
+    assert torch.equal(resumed["input_ids"], first[3]["input_ids"])
+    docs, _ = make_host.language_documents(30, doc_seed=1, seed=0)
+    assert all(d.endswith(".") for d in docs)  # no document ends in a query ("... . Box 3", then the answer)
+    task, what = box_scale.host_batches({**box_scale.SCALES["tiny"], "host_sequences": 30}, tok, 0)
+    b = next(task)  # the task host: the loss on the answers only
+    assert "answers" in what and (b["labels"] != -100).sum() < (b["attention_mask"] == 1).sum()
+
+
+@pytest.mark.parametrize("value, message", [('{"nope": 1}', "--set names no trainer setting: nope"),
+                                            ("[1]", "--set must be a JSON object")])
+def test_finetune_settings_are_refused_before_work(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        box_scale.parse_args(["finetune", "--host", "x", "--set", value])
+    assert e.value.code == 2 and message in capsys.readouterr().err

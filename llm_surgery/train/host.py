@@ -289,6 +289,13 @@ def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: floa
     puts the loss on every real token (the context too, where naming the box of a moved object is itself a
     state-tracking target) instead of on the completion only. `start` continues a run after that many steps: the
     data order goes on where it stopped (same seed) and so does the schedule."""
+    return train_all_weights(model, task_batches(tokenizer, records, batch_size, seed, start, all_tokens),
+                             steps=steps, lr=lr, device=device, start=start, **loop)
+
+
+def task_batches(tokenizer, records, batch_size: int, seed: int, start: int = 0, all_tokens: bool = False):
+    """Batches of Box `records` in the trainer's data order from step `start` on, labels on the completion (on
+    every real token with `all_tokens`)."""
     from llm_surgery.box_data import BoxCollator
 
     from .data import ShardedBatchSampler, TokenizedBox
@@ -296,16 +303,11 @@ def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: floa
     data = TokenizedBox(tokenizer, records)
     sampler = ShardedBatchSampler(len(data), batch_size, 0, 1, seed)
     sampler.set_position(start)
-    loader = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler,
-                                              collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)))
-
-    def batches():
-        for batch in loader:
-            if all_tokens:
-                batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            yield batch
-
-    return train_all_weights(model, batches(), steps=steps, lr=lr, device=device, start=start, **loop)
+    for batch in torch.utils.data.DataLoader(data, batch_sampler=sampler,
+                                             collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)):
+        if all_tokens:
+            batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        yield batch
 
 
 def train_all_weights(model, batches, *, steps: int, lr: float, warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0,

@@ -57,6 +57,19 @@ def documents(records: list[dict], rng: random.Random, restatements: int = 2) ->
     return docs
 
 
+def language_documents(sequences: int, doc_seed: int, seed: int) -> tuple[list[str], list[str]]:
+    """(training documents, held-out full restatements) from `sequences` Box sequences of the train split's
+    arrangements (data seed 2255's partition) drawn from their own stream `doc_seed`, so they share no sequence
+    with the trainer's splits; the held-out ones come from the validation arrangements."""
+    from llm_surgery.box_data import generate_split, signature_partition
+
+    parts = signature_partition(2255)
+    train = generate_split("train", sequences, 6, seed=doc_seed, signatures=parts["train"])
+    val = generate_split("validation", 100, 6, seed=doc_seed, signatures=parts["validation"])
+    rng = random.Random(seed)
+    return documents(train, rng), [d for d in documents(val, rng) if is_full_restatement(d)]
+
+
 def is_full_restatement(doc: str) -> bool:
     """A restatement document over all seven boxes (the held-out measure of what the host learned)."""
     return ". Box " in doc and doc.split(". ", 1)[0].count("Box ") == 7
@@ -173,18 +186,12 @@ def save_host(out: Path, model, tokenizer, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llm_surgery.box_data import generate_split, signature_partition
-
     args = parser().parse_args(argv)
     show_messages()
     if args.threads:
         torch.set_num_threads(args.threads)
-    parts = signature_partition(2255)
     t0 = time.time()
-    train = generate_split("train", args.sequences, 6, seed=args.doc_seed, signatures=parts["train"])
-    val = generate_split("validation", 100, 6, seed=args.doc_seed, signatures=parts["validation"])
-    rng = random.Random(args.seed)
-    docs, eval_docs = documents(train, rng), [d for d in documents(val, rng) if is_full_restatement(d)]
+    docs, eval_docs = language_documents(args.sequences, args.doc_seed, args.seed)
     logger.info(f"{len(docs)} documents ({time.time() - t0:.0f} s); {len(eval_docs)} held-out restatements")
     spec = {**SPEC, **json.loads(args.spec)}
     model, tokenizer = build(args.seed, **spec)
