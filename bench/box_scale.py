@@ -1,18 +1,21 @@
 """Box reproduction at the largest host that can cross device calls, staged over several calls: pretrain a
 Granite-4.0-architecture host (resumable: its checkpoint comes back through $OUT and goes in again with `carry`),
 then fine-tune 4 inserted layers of each kind on the frozen host with the paper's recipe, 3 seeds per kind, one
-call per kind; then merge the calls' results into one table and plot (here, no GPU).
+call per kind (or the kinds side by side in one); then merge the results into one table and plot (no GPU).
 
     python bench/box_scale.py pretrain --out $OUT                                  # call 1
     python bench/box_scale.py pretrain --resume box_scale/host --out $OUT          # call 2.. (until done)
     python bench/box_scale.py finetune --host box_scale/host --kinds pdssm --seeds 0,1,2 --out $OUT
     python bench/box_scale.py summarize box_scale/results --out box_scale/summary
 
+`--scale 27m-language` pretrains the same host on the Box language alone (no queries: only the inserted layers
+learn to answer); `finetune --set '{"lr": 0.003}'` runs a variant of the recipe.
+
 Why 27 M parameters (`SCALES["27m"]`): what crosses calls must fit the device's transfer limits (64 MiB through
 $OUT and 64 MiB of working tree with `carry`, the repo included), so the checkpoint is the weights alone in
 bfloat16 (2 bytes a parameter, in shards of at most 15 MiB; `TRANSPORT_MIB`); Adam's moments (8 bytes a parameter
 more) do not fit, so a resumed call restarts the optimizer and ramps the learning rate back over `rewarm` steps.
-docs/bench/train.md ("Box reproduction at scale") has the stages, the calls and the time estimates.
+docs/bench/train.md ("Box reproduction at scale") has the stages, the calls and their measured times.
 """
 
 from __future__ import annotations
