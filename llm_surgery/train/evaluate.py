@@ -109,10 +109,11 @@ def _add_token_accuracy(result: dict, records, counts: dict, train_max_ops: int)
         part["token_accuracy"] = share(lambda r, n=n: r["num_ops"] == n)
 
 
-def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
+def evaluate_run(run_dir, split: str = "test", accelerator=None, tokens_alone: bool = False) -> dict:
     """Evaluate a finished run's saved artifact (`<run_dir>/final`) again, in this process alone, with the run's
     own config.json: its host, data and precision. The results must equal the run's gathered ones (results.json):
-    a check that sharded evaluation neither drops nor repeats examples."""
+    a check that sharded evaluation neither drops nor repeats examples. `tokens_alone`: the inserted mixers see each
+    token alone (`llm_surgery.insert.ablation`), what the layers give without their memory."""
     import json
     from pathlib import Path
 
@@ -140,7 +141,12 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None) -> dict:
     splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
     evalset = EvalSet(accelerator, tokenizer, split, cap_records(splits[split], cfg.max_eval_examples),
                       cfg.eval_batch_size)
-    return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
+    if not tokens_alone:
+        return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
+    from llm_surgery.insert.ablation import tokens_alone as without_memory
+
+    with without_memory(accelerator.unwrap_model(model)):
+        return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
 
 
 def compare_results(gathered: dict, single: dict) -> dict:

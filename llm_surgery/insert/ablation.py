@@ -1,0 +1,38 @@
+"""Does an inserted layer use what it remembers? `tokens_alone(model)` makes every inserted mixer see each token as
+a sequence of its own (no recurrent state, no convolution over earlier tokens) while the host runs unchanged, so
+an evaluation inside it measures what the layers add as per-token transforms; the gap to the normal evaluation is
+what their memory adds."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .surgery import inserted_layers
+
+
+@contextmanager
+def tokens_alone(model):
+    """Within the block, each inserted mixer maps [b, L, d] through b*L one-token sequences. Refuses to wrap a
+    model without inserted layers; the mixers' forwards are restored on exit, also after an error."""
+    blocks = list(inserted_layers(model).values())
+    if not blocks:
+        raise ValueError("tokens_alone: the model has no inserted layers")
+    originals = [(b.mixer, b.mixer.forward) for b in blocks]
+
+    def alone(forward):
+        def run(hidden_states: torch.Tensor, attention_mask=None, state=None, return_state: bool = False):
+            if state is not None or return_state:
+                raise ValueError("tokens_alone: the mixers keep no state; run the model with use_cache=False")
+            b, L, d = hidden_states.shape
+            return forward(hidden_states.reshape(b * L, 1, d)).reshape(b, L, -1)
+        return run
+
+    for mixer, forward in originals:
+        mixer.forward = alone(forward)
+    try:
+        yield model
+    finally:
+        for mixer, _ in originals:
+            del mixer.forward  # back to the class's method
