@@ -105,6 +105,14 @@ class _Grads:
         self.Wx = torch.zeros(Wx.shape, **f32)
         self.Bw = None if b_gate == "off" else torch.zeros(2, H, N, P, **f32)
 
+    def add_projection(self, sl, gproj, g_ub, u, Wu):
+        """The projection proj = u Wx^T of batch slice `sl`: dL/dWx += dL/dproj^T u, and dL/du = dL/dproj Wx plus
+        `g_ub`, the skip's and the injection's part."""
+        b, L, d = u[sl].shape
+        gp = gproj.reshape(b * L, -1)
+        self.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+        torch.addmm(g_ub.view(b * L, d), gp, Wu, out=self.u[sl].view(b * L, d))
+
     def result(self, tau, Wx, decay_bias, M, Bw, C, D_skip):
         """fused_middle's gradients, in its inputs' order and dtypes (None for the non-tensor inputs)."""
         gM = softmax_jacobian_apply(M, self.G, tau, dim=-2)
@@ -203,13 +211,10 @@ class _FusedMiddle(torch.autograd.Function):
     def backward(ctx, g_y, g_last_re, g_last_im):
         u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
         # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
-        if ctx.one_kernel:
-            return _FusedMiddle._backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict,
-                                                     Bw, x0, x_re, x_im, C, D_skip, mask,
-                                                     "ieee" if u.dtype == torch.float32 else "tf32")
-        return _FusedMiddle._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw,
-                                              x0, x_re, x_im, C, D_skip, mask,
-                                              "ieee" if u.dtype == torch.float32 else "tf32")
+        precision = "ieee" if u.dtype == torch.float32 else "tf32"
+        backward = _FusedMiddle._backward_one_kernel if ctx.one_kernel else _FusedMiddle._backward
+        return backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip,
+                        mask, precision)
 
     @staticmethod
     def _backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C,
@@ -219,7 +224,7 @@ class _FusedMiddle(torch.autograd.Function):
         from ..ops.pd_select import triton_middle
         from ..ops.pd_select.triton_ste import dictionary_grad_from_dx
 
-        B, L, d = u.shape
+        B, L, _ = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
@@ -248,10 +253,8 @@ class _FusedMiddle(torch.autograd.Function):
             g.x0[sl] = torch.complex(gr, gi)
             g.G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
             del lam, dx, kstar
-            gp = gproj.view(b * L, H * W)
-            g.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g.u[sl].view(b * L, d))
-            del gproj, gp, g_ub
+            g.add_projection(sl, gproj, g_ub, u, Wu)
+            del gproj, g_ub
         return g.result(ctx.tau, Wx, decay_bias, M, Bw, C, D_skip)
 
     @staticmethod
@@ -265,7 +268,7 @@ class _FusedMiddle(torch.autograd.Function):
         if g_y is not None and g_y.stride(-1) != 1:
             g_y = g_y.contiguous()
         b_gate, unit_snap, phase_levels = ctx.b_gate, ctx.unit_snap, ctx.phase_levels
-        B, L, d = u.shape
+        B, L, _ = u.shape
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
@@ -314,11 +317,8 @@ class _FusedMiddle(torch.autograd.Function):
                 g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, g.Bw, precision)
             else:
                 g_ub = injection_bwd(None, None, gy, u[sl], skip, Bf, None, precision)
-            # the projection proj = u Wx^T; dL/du = dL/dproj Wx + the skip's and the injection's parts
-            gp = gproj.view(b * L, H * W)
-            g.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
-            torch.addmm(g_ub.view(b * L, d), gp, Wu, out=g.u[sl].view(b * L, d))
-            del gproj, gp, g_ub, gy
+            g.add_projection(sl, gproj, g_ub, u, Wu)
+            del gproj, g_ub, gy
         return g.result(ctx.tau, Wx, decay_bias, M, Bw, C, D_skip)
 
 
