@@ -30,6 +30,31 @@ GATES = {None: 0, "sigmoid": 1, "hard": 2, "decay": 3, "off": 4}
 
 
 @triton.jit
+def _chunk_transition(proj_ptr, pdict_ptr, mask_ptr, bias, b, h, t, tm, n, k, L, H, W, snap_scale, phase_step,
+                      K: tl.constexpr, N: tl.constexpr, HAS_MASK: tl.constexpr, SNAP: tl.constexpr,
+                      LEVELS: tl.constexpr):
+    """One chunk's selection and transition, as both kernels need them: the tokens' row offsets, the selector
+    logits and k*, D_t's polar parts and planes (zero outside the tokens and the state), P_t (the selected member)
+    and `keep` (False at padding, where a step is the identity: D = 1, P = I; all True without a mask)."""
+    row = ((b.to(tl.int64) * L + t) * H + h) * W
+    sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=tm[:, None] & (k[None, :] < K),
+                  other=float("-inf")).to(tl.float32)
+    kstar = tl.argmax(sel, axis=1, tie_break_left=True)
+    valid = tm[:, None] & (n[None, :] < N)
+    mag, dmag, cos, sin, a = polar_parts(proj_ptr, bias, row, n, tm, snap_scale, phase_step, K, N, SNAP, LEVELS)
+    d_re = tl.where(valid, mag * cos, 0.0)
+    d_im = tl.where(valid, mag * sin, 0.0)
+    pt = tl.load(pdict_ptr + (h * K + kstar[:, None]) * N + n[None, :], mask=valid, other=0)
+    keep = tm[:, None] | True
+    if HAS_MASK:
+        keep = (tl.load(mask_ptr + b.to(tl.int64) * L + t, mask=tm, other=1) != 0)[:, None]
+        d_re = tl.where(keep, d_re, 1.0)
+        d_im = tl.where(keep, d_im, 0.0)
+        pt = tl.where(keep, pt, n[None, :])
+    return row, sel, kstar, valid, mag, dmag, cos, sin, a, d_re, d_im, pt, keep
+
+
+@triton.jit
 def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict_ptr, x0re_ptr, x0im_ptr, mask_ptr,
                        y_ptr, xsre_ptr, xsim_ptr, lastre_ptr, lastim_ptr, fscr_ptr, iscr_ptr,
                        L, H, W, su_b, su_l, sy_b, sy_l, snap_scale, phase_step,
@@ -68,20 +93,9 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
         # ---- the chunk, vectorised: selection, transition, injection ----
         t = c + j
         tm = t < L
-        row = ((b.to(tl.int64) * L + t) * H + h) * W
-        sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=tm[:, None] & (k[None, :] < K),
-                      other=float("-inf")).to(tl.float32)
-        kstar = tl.argmax(sel, axis=1, tie_break_left=True)
-        valid = tm[:, None] & nm[None, :]
-        mag, _, cos, sin, a = polar_parts(proj_ptr, bias, row, n, tm, snap_scale, phase_step, K, N, SNAP, LEVELS)
-        d_re = mag * cos
-        d_im = mag * sin
-        pt = tl.load(pdict_ptr + (h * K + kstar[:, None]) * N + n[None, :], mask=valid, other=0)
-        if HAS_MASK:
-            keep = (tl.load(mask_ptr + b.to(tl.int64) * L + t, mask=tm, other=1) != 0)[:, None]
-            d_re = tl.where(keep, d_re, 1.0)
-            d_im = tl.where(keep, d_im, 0.0)
-            pt = tl.where(keep, pt, n[None, :])
+        row, _, _, valid, _, _, _, _, a, d_re, d_im, pt, _ = _chunk_transition(
+            proj_ptr, pdict_ptr, mask_ptr, bias, b, h, t, tm, n, k, L, H, W, snap_scale, phase_step, K, N, HAS_MASK,
+            SNAP, LEVELS)
         ucols = b.to(tl.int64) * su_b + t[:, None].to(tl.int64) * su_l + h * P + p[None, :]
         u = tl.load(u_ptr + ucols, mask=tm[:, None] & pm[None, :], other=0.0).to(tl.float32)
         if GATE == 4:   # "off": no injection
@@ -149,15 +163,13 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     tl.store(lastim_ptr + seq * N + n, x_im, mask=nm)
 
 
-# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU). min_pairs_per_sm:
-# from how many (sequence, head) pairs per multiprocessor a sequence longer than one token takes this path; None:
-# single tokens only (decode). That is the default because it is what measurements support: on an H100 (bf16,
-# width 1024, B=32, L=2048) an earlier form of these kernels took 24.1 ms per layer forward + backward where the
-# separate kernels take 16.0-16.6; the present form (no stores inside the token loops, selector sums without
-# cross-lane reductions) is unmeasured. `bench/layer_compare.py --kinds pdssm pdssm-one` compares the two.
-# decode / min_pairs_per_sm: where these kernels replace the separate ones. Off by default until the present form
-# is measured on a GPU (its first form was; docs/kernels.md): decode=True runs a one-token step here,
-# min_pairs_per_sm=k runs longer sequences here once batch x heads >= k x the multiprocessors.
+# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU). decode /
+# min_pairs_per_sm: where these kernels replace the separate ones: decode=True runs a one-token step here,
+# min_pairs_per_sm=k runs longer sequences here once batch x heads >= k x the multiprocessors. Both off until the
+# present form (no stores inside the token loops, selector sums without cross-lane reductions) is measured on a
+# GPU: on an H100 (bf16, width 1024, B=32, L=2048) an earlier form took 24.1 ms per layer forward + backward where
+# the separate kernels take 16.0-16.6 (docs/kernels.md). `bench/layer_compare.py --kinds pdssm pdssm-one`
+# compares the two.
 CONFIG = {"chunk": 16, "num_warps": 1, "decode": False, "min_pairs_per_sm": None}
 MAX_STATE = 64   # the [N, N] one-hot step costs N^2 per token; larger states take the separate kernels
 
@@ -270,22 +282,12 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
         c = (chunks - 1 - ci) * T          # chunks last-first
         t = c + j
         tm = t < L
-        valid = tm[:, None] & nm[None, :]
-        row = ((b.to(tl.int64) * L + t) * H + h) * W
         kmask = tm[:, None] & km[None, :]
-        sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=kmask, other=float("-inf")).to(tl.float32)
-        kstar = tl.argmax(sel, axis=1, tie_break_left=True)
+        row, sel, kstar, valid, mag, dmag, cos, sin, a, d_re, d_im, pt, keep = _chunk_transition(
+            proj_ptr, pdict_ptr, mask_ptr, bias, b, h, t, tm, n, k, L, H, W, snap_scale, phase_step, K, N, HAS_MASK,
+            SNAP, LEVELS)
         tl.store(kstar_ptr + seq * L + t, kstar.to(tl.int64), mask=tm)
-        mag, dmag, cos, sin, a = polar_parts(proj_ptr, bias, row, n, tm, snap_scale, phase_step, K, N, SNAP, LEVELS)
         sig = 1.0 / (1.0 + tl.exp(a))      # sigmoid(-a) before the snap: the decay gate's derivative
-        d_re = tl.where(valid, mag * cos, 0.0)
-        d_im = tl.where(valid, mag * sin, 0.0)
-        pt = tl.load(pdict_ptr + (h * K + kstar[:, None]) * N + n[None, :], mask=valid, other=0)
-        if HAS_MASK:
-            keep = (tl.load(mask_ptr + b.to(tl.int64) * L + t, mask=tm, other=1) != 0)[:, None]
-            d_re = tl.where(keep, d_re, 1.0)
-            d_im = tl.where(keep, d_im, 0.0)
-            pt = tl.where(keep, pt, n[None, :])
         # readout backward: dL/dx = (g C_re, -g C_im); dL/dC += (g^T x_re, -g^T x_im); dL/dD_skip += sum g u
         pmask = tm[:, None] & pm[None, :]
         gcols = b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_l + h * P + p[None, :]
