@@ -117,11 +117,11 @@ def plan(args) -> list[TrainConfig]:
                                              batch_size=args.batch_size, **base))
     cfgs += retries_of(args.retry_unfit, args.retry_loss, args.device) if args.retry_unfit else []
     if args.quick:  # CPU smoke test: tiny models, a few seconds each
-        cfgs = [c for c in quick(cfgs) if c.seed == 0 or c.task in ("parity", "s3_gen")]
+        cfgs = [c for c in tiny_models(cfgs) if c.seed == 0 or c.task in ("parity", "s3_gen")]
     return cfgs
 
 
-def quick(cfgs: list[TrainConfig]) -> list[TrainConfig]:
+def tiny_models(cfgs: list[TrainConfig]) -> list[TrainConfig]:
     """--quick: the same runs with tiny models and batches (a CPU test of the whole script)."""
     return [replace(c, d_model=min(c.d_model, 32), batch_size=8, eval_lengths=(40, 256), eval_batch=16,
                     mixer={**c.mixer, **({"num_heads": 4, "state_size": c.mixer.get("state_size", 8)}
@@ -145,7 +145,7 @@ def protocol_plan(args, chosen: dict | None = None) -> list[TrainConfig]:
         cfgs = protocol.final_configs(protocol.KINDS, tasks, args.protocol_seeds, chosen, **common)
     if args.quick:  # the steps scaled down as in the protocol (the search trains SEARCH_FRAC of them)
         cfgs = [replace(c, steps=QUICK_STEPS if c.name == "protocol" else round(protocol.SEARCH_FRAC * QUICK_STEPS),
-                        eval_every=QUICK_STEPS // 8) for c in quick(cfgs)]
+                        eval_every=QUICK_STEPS // 8) for c in tiny_models(cfgs)]
     return cfgs
 
 
@@ -472,13 +472,11 @@ def main(argv=None) -> int:
         print(f"quick Triton autotune: {quick_triton_autotune()}", flush=True)
         print(f"warm-up (kernel builds, compiles): "
               f"{warm_up(args.device, args.d_model, cfgs if args.protocol else ()):.0f}s", flush=True)
-    if args.protocol:  # runs of a fixed number of steps: the same for every kind, whatever its speed
-        pass
-    elif args.run_time:  # fixed, so that every call of a resumed sweep builds the same configs
-        cfgs = [replace(c, time_limit_s=args.run_time / (1 + (c.restarts - 1) * c.restart_frac)) for c in cfgs]
-    else:
-        cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
-    if not args.protocol:
+    if not args.protocol:  # (the protocol's runs take a fixed number of steps, the same for every kind)
+        if args.run_time:  # fixed, so that every call of a resumed sweep builds the same configs
+            cfgs = [replace(c, time_limit_s=args.run_time / (1 + (c.restarts - 1) * c.restart_frac)) for c in cfgs]
+        else:
+            cfgs = with_time_limits(cfgs, args.budget - (time.time() - start), args.jobs, reserve)
         print(f"per-run training time limit (no restarts): {max(c.time_limit_s for c in cfgs):.0f}s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     deadline = None if args.pause_after is None else start + args.pause_after
