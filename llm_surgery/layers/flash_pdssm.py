@@ -48,8 +48,8 @@ class FlashPDSSM(nn.Module):
     `backend`: "auto" (a complex layer on CUDA runs its middle as one fused op, `flash_pdssm_fused.py`, when the
     kernels can run; the torch path otherwise), "torch" (the torch path, the fused op's reference; its scan still
     uses the pd_scan CUDA kernels on CUDA tensors), or "kernel" (the fused op, an error where it cannot run).
-    A decode step (one token, no autograd) takes the torch path, or one Triton kernel for the middle where
-    `ops.pd_select.triton_middle.CONFIG["decode"]` is on (opt-in until measured on a GPU in its present form).
+    A decode step (one token, no autograd) runs the middle as one Triton kernel where
+    `ops.pd_select.triton_middle.CONFIG["decode"]` is on (the default), the torch path otherwise.
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int | None = None,
