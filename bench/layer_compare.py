@@ -189,11 +189,12 @@ def profile(kind, args) -> None:
     label, layer = build(kind, args.width)
     B, L = args.batch[0], args.lengths[0]
     x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+    with one_kernel(kind == "pdssm-one"):
+        ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
     print(f"{label}: B={B} L={L} width={args.width}: fwd+bwd {ms:.2f} ms, forward {fwd:.2f} ms, "
           f"peak {peak / 2**30:.2f} GiB")
     g = torch.randn_like(x)
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, one_kernel(kind == "pdssm-one"):
         for _ in range(3):
             first(layer(x)).backward(g)
         torch.cuda.synchronize()

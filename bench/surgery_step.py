@@ -117,6 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--check-layers", type=int, default=14)
     ap.add_argument("--check-seq", type=int, default=128)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--quick-autotune", action="store_true",
+                    help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--no-host-kernels", action="store_true",
                     help="leave the host's Mamba2 layers on transformers' PyTorch path")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --device cpu for a smoke run")
         print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
-        if importlib.util.find_spec("triton"):
+        if args.quick_autotune and importlib.util.find_spec("triton"):
             quick_autotune()
         if not args.no_host_kernels:
             from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
