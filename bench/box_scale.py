@@ -307,10 +307,15 @@ def stage_summarize(args, out: Path, log) -> dict:
     runs = [run for r in loaded for run in r["runs"]]
     host_alone = next((run["host_alone"] for run in runs if run["host_alone"]), None)
     variant = lambda run: (run["kind"], json.dumps(run.get("set") or {}, sort_keys=True))  # noqa: E731
-    variants = sorted({variant(run) for run in runs}, key=lambda v: (KINDS.index(v[0]), v[1] != "{}", v[1]))
+    order = lambda v: ("+" in v[0], KINDS.index(v[0].split("+")[0]), v[1] != "{}", v[1])  # noqa: E731
+    variants = sorted({variant(run) for run in runs}, key=order)
+
+    def label(kind, changed):   # "+ 4 pdssm", "+ 1 pdssm {...}", "+ pdssm+mamba2+pdssm+mamba2"
+        n = json.loads(changed).get("n", loaded[0]["recipe"]["n"])
+        return (f"+ {kind}" if "+" in kind else f"+ {n} {kind}") + ("" if changed == "{}" else f" {changed}")
     groups = ([("host alone", [host_alone])] if host_alone else []) + [
-        (f"+ 4 {kind}" + ("" if changed == "{}" else f" {changed}"),
-         [run["test"] for run in runs if variant(run) == (kind, changed)]) for kind, changed in variants]
+        (label(kind, changed), [run["test"] for run in runs if variant(run) == (kind, changed)])
+        for kind, changed in variants]
     max_ops = max(int(k) for k in runs[0]["test"]["by_num_ops"])
     rows, curves = [], []
     for label, tests in groups:
@@ -363,7 +368,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", help="pretrain: continue this host checkpoint")
     ap.add_argument("--stop-at", type=int, default=0, help="pretrain: stop after this step (0: time/steps)")
     ap.add_argument("--host", help="finetune: the pretrained host checkpoint")
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="the kinds to fine-tune, one run each, separated by commas; a mixed insertion joins n kinds "
+                         "with '+' (pdssm+mamba2+pdssm+mamba2)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--set", default="{}", help="finetune: JSON dict of trainer settings over the recipe's, e.g. "
                     "'{\"lr\": 0.003}' (recorded per run; summarize lists each variant apart)")
@@ -375,9 +382,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if set(args.kinds) - set(KINDS):
-        ap.error(f"unknown kinds {sorted(set(args.kinds) - set(KINDS))}; choose from {KINDS}")
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]   # a run's kinds: one, or a mixed 'a+b+..'
+    unknown = sorted({k for run in args.kinds for k in run.split("+")} - set(KINDS))
+    if unknown:
+        ap.error(f"unknown kinds {unknown}; choose from {KINDS} (a mixed insertion joins n of them with '+')")
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:

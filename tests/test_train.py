@@ -861,6 +861,10 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
     (["--kind", "mamba2", "--mixer-options", '{"dict_size": 4}'], "['dict_size'] are not options of the mamba2"),
     (["--max-eval-examples", "0"], "max_eval_examples must be >= 1 (or none)"),
     (["--resume", "latest", "--overwrite"], "pass one"),
+    (["--kind", "pdssm+mamba2"], "kind 'pdssm+mamba2' lists 2 kinds for n=4 layers"),
+    (["--kind", "pdssm+gru", "--n", "2"], "kind must be one of"),
+    (["--kind", "pdssm+mamba2", "--n", "2", "--mixer-options", '{"dict_size": 4}'],
+     "['dict_size'] are not options of the mamba2"),
 ])
 def test_bad_trainer_flags_are_refused_at_parse_time(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -873,6 +877,19 @@ def test_trainer_flags_that_parse():
     assert parse_config(["--max-grad-norm", "none"]).max_grad_norm is None  # no clipping, said explicitly
     assert parse_config(["--kind", "pdssm", "--mixer-options", '{"dict_size": 4, "num_heads": 2}']).mixer_kwargs() \
         == {"dict_size": 4, "num_heads": 2}
+
+
+def test_mixed_insertion_puts_one_kind_before_each_attention_block(tmp_path, tiny_host_dir):
+    """--kind with n kinds joined by '+': layer i is kind i, all train, and the saved layers record it."""
+    from llm_surgery.train import run
+
+    out = tmp_path / "run"
+    res = run(_run_args(tiny_host_dir, out, "--kind", "mamba2+pdssm", "--n", "2", "--max-steps", "2",
+                        "--save-every", "0", "--max-eval-examples", "4"))
+    assert res["kind"] == "mamba2+pdssm" and res["n"] == 2
+    metas = [json.loads(p.read_text()) for p in out.rglob("*.json") if '"layers"' in p.read_text()]
+    kinds = {tuple(layer["kind"] for layer in m["layers"]) for m in metas}
+    assert kinds == {("mamba2", "pdssm")}, kinds
 
 
 def test_empty_evaluation_sets_and_cpu_float16_are_refused_before_work(tmp_path, tiny_host_dir):

@@ -38,7 +38,9 @@ class TrainConfig:
     random_init_config: str | None = field(default=None, metadata={
         "help": "build a random-weight host of this named real configuration (throughput runs; takes "
                 "precedence over --model)"})
-    kind: str = field(default="pdssm", metadata={"help": f"inserted mixer: {', '.join(KINDS)}"})
+    kind: str = field(default="pdssm", metadata={"help": f"inserted mixer: {', '.join(KINDS)}; or n of them "
+                                                         "joined by '+', one per inserted layer in order "
+                                                         "(mixed insertion, e.g. pdssm+mamba2+pdssm+mamba2)"})
     n: int = field(default=4, metadata={"help": "number of inserted layers"})
     positions: list[int] | None = field(default=None, metadata={"help": "attention layer indices to insert before"})
     mixer_options: str = field(default="{}", metadata={"help": "JSON dict of mixer constructor options"})
@@ -148,7 +150,11 @@ class TrainConfig:
             if not ok:
                 span = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
                 raise UsageError(f"{name} must be a finite number in {span}{hint}, got {v!r}")
-        choice("kind", KINDS)
+        for k in self.kind.split("+"):
+            if k not in KINDS:
+                raise UsageError(f"kind must be one of {KINDS} (or n of them joined by '+'), got {self.kind!r}")
+        if "+" in self.kind and len(self.kind.split("+")) != self.n:
+            raise UsageError(f"kind {self.kind!r} lists {len(self.kind.split('+'))} kinds for n={self.n} layers")
         choice("schedule", SCHEDULES)
         choice("mixed_precision", (*PRECISIONS, None))
         choice("host_dtype", HOST_DTYPES)
@@ -180,10 +186,15 @@ class TrainConfig:
         number("min_lr_ratio", 0, 1, high_open=False)
         if self.positions is not None and len(self.positions) != self.n:
             raise UsageError(f"positions {self.positions} must list n={self.n} layer indices")
-        unknown = sorted(set(self.mixer_kwargs()) - constructor_options(self.kind))
-        if unknown:
-            raise UsageError(f"mixer_options {unknown} are not options of the {self.kind} mixer; known: "
-                             f"{', '.join(sorted(constructor_options(self.kind)))}")
+        for k in sorted(set(self.kind.split("+"))):   # with mixed kinds the options go to every kind
+            unknown = sorted(set(self.mixer_kwargs()) - constructor_options(k))
+            if unknown:
+                raise UsageError(f"mixer_options {unknown} are not options of the {k} mixer; known: "
+                                 f"{', '.join(sorted(constructor_options(k)))}")
+
+    def inserted_kinds(self) -> str | list[str]:
+        """`insert_layers`' kind argument: one kind, or the list of n kinds of a mixed insertion."""
+        return self.kind if "+" not in self.kind else self.kind.split("+")
 
     def mixer_kwargs(self) -> dict:
         try:

@@ -250,7 +250,7 @@ def _build_model(cfg: TrainConfig, accelerator, log):
     model, tokenizer, host_desc = load_host(cfg, accelerator, log)
     set_seed(cfg.seed)
     try:
-        insert_layers(model, cfg.kind, cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+        insert_layers(model, cfg.inserted_kinds(), cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
     except (ValueError, TypeError) as e:  # n, positions or mixer option values this host cannot take
         raise UsageError(f"the surgery refused these settings on {host_desc}: {e}") from e
     if cfg.lora_r:
