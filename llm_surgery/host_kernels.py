@@ -42,12 +42,34 @@ def _route(reference, kernel):
     return call
 
 
+def keep_cpu_convolutions_in_torch() -> list[str]:
+    """Where causal-conv1d is installed, transformers' hybrid layers call its CUDA-only kernels for CPU tensors too
+    (a host moved to the CPU fails with "Expected x.is_cuda() to be true"): send CPU tensors to the torch function
+    that transformers' decorator wraps. Idempotent; returns the functions routed."""
+    routed = []
+    for name in HOST_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr in ("causal_conv1d_fn", "causal_conv1d_update"):
+            fn = getattr(mod, attr, None)
+            torch_function = getattr(fn, "__wrapped__", None)
+            if fn is None or torch_function is None or getattr(fn, _PATCHED, False):
+                continue
+            setattr(mod, attr, _route(torch_function, fn))
+            routed.append(f"{name.rsplit('.', 1)[-1]}.{attr}")
+    return routed
+
+
 def use_mamba_kernels_for_hosts() -> str:
-    """Route the hosts' Mamba2 chunk scan and decode step to mamba-ssm's Triton kernels for CUDA tensors.
+    """Route the hosts' Mamba2 chunk scan and decode step to mamba-ssm's Triton kernels for CUDA tensors (and their
+    convolutions on CPU tensors to torch, `keep_cpu_convolutions_in_torch`).
 
     Idempotent. Returns one line for the log saying what runs the host's Mamba2 layers."""
     from .layers.mamba2 import mamba_kernels
 
+    keep_cpu_convolutions_in_torch()
     kernels = mamba_kernels()
     if kernels is None:
         return "host Mamba2 layers: torch reference (mamba-ssm's Triton kernels did not import)"

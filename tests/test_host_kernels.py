@@ -69,3 +69,31 @@ def test_host_on_cuda_matches_reference():
     ref = model(ids).logits
     host_kernels.use_mamba_kernels_for_hosts()
     torch.testing.assert_close(model(ids).logits, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_cpu_convolutions_go_to_torch_where_causal_conv1d_is_installed(monkeypatch):
+    """With causal-conv1d importable, transformers' decorated causal_conv1d_fn calls its CUDA kernel for any tensor;
+    after routing, a CPU tensor reaches the torch function the decorator wraps and a CUDA one the package."""
+    import functools
+
+    mod = importlib.import_module(host_kernels.HOST_MODULES[0])
+
+    def torch_function(x, weight, bias=None, activation=None, **kwargs):
+        return "torch"
+
+    @functools.wraps(torch_function)
+    def package(*args, **kwargs):   # what transformers' decorator returns with causal-conv1d installed
+        if not getattr(args[0], "is_cuda", False):
+            raise RuntimeError("Expected x.is_cuda() to be true, but got false.")
+        return "package"
+
+    monkeypatch.setattr(mod, "causal_conv1d_fn", package)
+    with pytest.raises(RuntimeError, match="is_cuda"):
+        mod.causal_conv1d_fn(torch.zeros(1), None)
+    assert f"{host_kernels.HOST_MODULES[0].rsplit('.', 1)[-1]}.causal_conv1d_fn" in \
+        host_kernels.keep_cpu_convolutions_in_torch()
+    assert mod.causal_conv1d_fn(torch.zeros(1), None) == "torch"
+    assert mod.causal_conv1d_fn(_CudaLike(), None) == "package"
+    routed = mod.causal_conv1d_fn
+    host_kernels.keep_cpu_convolutions_in_torch()
+    assert mod.causal_conv1d_fn is routed   # not wrapped twice
