@@ -13,9 +13,10 @@ weights: the projection, D, P_t and k* are recomputed per slice, and every state
 batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
 kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout.
 
-Second form, where `one_kernel_pays` (opt-in: `triton_middle.CONFIG`, for decode steps and/or long sequences): after the projection, each
-pass is one Triton kernel per (sequence, head) with the state on chip (`ops/pd_select/triton_middle.py`); the
-backward adds only the dictionary's grouped sum and the projection's products. It needs no pd_scan extension.
+Second form, where `one_kernel_pays` (`triton_middle.CONFIG`: decode steps by default; longer sequences only when
+asked, slower there): after the projection, each pass is one Triton kernel per (sequence, head) with the state on
+chip (`ops/pd_select/triton_middle.py`); the backward adds only the dictionary's grouped sum and the projection's
+products. It needs no pd_scan extension.
 CUDA only: `usable(u)` says whether it can run.
 """
 
