@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from llm_surgery.insert.ablation import tokens_alone
 from llm_surgery.train.evaluate import evaluate_run
 
 
@@ -24,7 +25,7 @@ def main(argv=None) -> list[dict]:
     print("|---|---|---|---|---|---|")
     for run in args.runs:
         kind = json.loads((Path(run) / "config.json").read_text())["kind"]
-        full, alone = evaluate_run(run, args.split), evaluate_run(run, args.split, tokens_alone=True)
+        full, alone = evaluate_run(run, args.split), evaluate_run(run, args.split, within=tokens_alone)
         row = {"run": run, "kind": kind, **{f"{s}_{name}": 100 * r[s]["accuracy"] for name, r in
                                              (("trained", full), ("alone", alone)) for s in ("iid", "ood")}}
         rows.append(row)

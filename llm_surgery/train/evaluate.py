@@ -109,11 +109,12 @@ def _add_token_accuracy(result: dict, records, counts: dict, train_max_ops: int)
         part["token_accuracy"] = share(lambda r, n=n: r["num_ops"] == n)
 
 
-def evaluate_run(run_dir, split: str = "test", accelerator=None, tokens_alone: bool = False) -> dict:
+def evaluate_run(run_dir, split: str = "test", accelerator=None, within=None) -> dict:
     """Evaluate a finished run's saved artifact (`<run_dir>/final`) again, in this process alone, with the run's
     own config.json: its host, data and precision. The results must equal the run's gathered ones (results.json):
-    a check that sharded evaluation neither drops nor repeats examples. `tokens_alone`: the inserted mixers see each
-    token alone (`llm_surgery.insert.ablation`), what the layers give without their memory."""
+    a check that sharded evaluation neither drops nor repeats examples. `within`: a function of the model giving a
+    context manager to evaluate inside, e.g. `llm_surgery.insert.ablation.tokens_alone` (the inserted mixers see
+    each token alone: what the layers give without their memory) or `llm_surgery.insert.probe.SelectionProbe`."""
     import json
     from pathlib import Path
 
@@ -141,11 +142,9 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None, tokens_alone: b
     splits = make_splits(cfg.num_sequences, cfg.data_seed, cfg.train_max_ops, cfg.test_max_ops)
     evalset = EvalSet(accelerator, tokenizer, split, cap_records(splits[split], cfg.max_eval_examples),
                       cfg.eval_batch_size)
-    if not tokens_alone:
+    if within is None:
         return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
-    from llm_surgery.insert.ablation import tokens_alone as without_memory
-
-    with without_memory(accelerator.unwrap_model(model)):
+    with within(accelerator.unwrap_model(model)):
         return evaluate(accelerator, model, tokenizer, evalset, cfg.train_max_ops, cfg.eval_mode)
 
 
