@@ -19,8 +19,9 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = []
     print("| run | layer | tokens a head | members used (of K) | top member | entropy bits (max) | permutations | "
-          "identities | destinations (of N) | half-life median, tokens | half-life >= 64 |")
-    print("|---" * 11 + "|")
+          "identities | destinations (of N) | entries surviving 16 tokens / a sequence | half-life median, tokens | "
+          "half-life >= 64 |")
+    print("|---" * 12 + "|")
     probes = []   # one per run, made inside evaluate_run around its model
 
     def probe(model):
@@ -33,14 +34,15 @@ def main(argv=None) -> list[dict]:
             rows.append({"run": run, "layer": layer, "iid": result["iid"]["accuracy"],
                          "ood": result["ood"]["accuracy"], **s})
             if not s["tokens"]:
-                print(f"| {run} | {layer} | 0 | - | - | - | - | - | - | - | - |")
+                print(f"| {run} | {layer} | 0 | - | - | - | - | - | - | - | - | - |")
                 continue
             lo, hi = s["halflife_median_tokens"]
             K = round(2 ** s["max_entropy_bits"])
             print(f"| {run} | {layer} | {s['tokens']} | {s['members_used']:.1f} ({K}) | "
                   f"{100 * s['top_member_share']:.0f}% | {s['entropy_bits']:.2f} ({s['max_entropy_bits']:.2f}) | "
                   f"{100 * s['permutation_share']:.0f}% | {100 * s['identity_share']:.0f}% | "
-                  f"{s['mean_destinations']:.1f} ({s['state_size']}) | {lo:g}-{hi:g} | "
+                  f"{s['mean_destinations']:.1f} ({s['state_size']}) | {s['surviving_16_tokens']:.1f} / "
+                  f"{s['surviving_sequence']:.1f} | {lo:g}-{hi:g} | "
                   f"{100 * s['halflife_64_share']:.0f}% |", flush=True)
     return rows
 

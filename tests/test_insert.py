@@ -765,3 +765,16 @@ def test_cuda_trained_layers_move_to_cpu_and_back(host_dirs, tmp_path, kind):
     assert _rel(full, out) < 5e-2 and _rel(pieces, full) < 3e-2
     _train(back, "cuda", 1)
     assert all(torch.isfinite(p).all() for b in inserted_layers(back).values() for p in b.parameters())
+
+
+def test_inserted_pdssm_dictionaries_start_as_identities_unless_asked_otherwise():
+    """INSERTED_DEFAULTS: an inserted Flash PD-SSM begins as (nearly) a diagonal SSM: the identity init puts a
+    margin of 3 noise deviations on every member's diagonal, so most columns' argmax is their own entry (93% at
+    N = 8); an explicit dict_init wins (PD-SSM's random maps: about 1 column in N is its own entry)."""
+    for options, lowest, highest in (({}, 0.85, 1.0), ({"dict_init": "normal"}, 0.0, 0.5)):
+        torch.manual_seed(0)
+        model = insert_layers(build_tiny_host("granite", seed=1, pattern="M*M*"), "pdssm", 2, **options)
+        for block in inserted_layers(model).values():
+            P = block.mixer.transitions().long()
+            assert lowest <= float((P == torch.arange(P.shape[-1])).double().mean()) <= highest
+        assert {s.options["dict_init"] for s in inserted_specs(model)} == {options.get("dict_init", "identity")}

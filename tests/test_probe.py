@@ -40,6 +40,22 @@ def test_counts_real_tokens_members_and_decays_and_restores_the_mixers():
     assert one["permutation_share"] == 1 and one["identity_share"] == 1 and one["mean_destinations"] == 4
     assert one["halflife_median_tokens"] == [2.0, 4.0] and one["halflife_64_share"] == 0
     assert one["max_entropy_bits"] == pytest.approx(math.log2(3))
+    assert one["surviving_16_tokens"] == 4 and one["surviving_sequence"] == 4   # identities keep every entry
+
+
+def test_merging_maps_lose_entries():
+    """A member that sends every entry to entry 0 leaves one entry after the first step."""
+    model = _model(num_heads=2, state_size=4, dict_size=3, dict_init="identity")
+    mixer = next(iter(inserted_layers(model).values())).mixer
+    with torch.no_grad():
+        mixer.x_proj.weight.zero_()
+        mixer.dictionary[:, 0] = -10.0
+        mixer.dictionary[:, 0, 0, :] = 10.0           # member 0 (selected everywhere): every column's argmax is row 0
+    with torch.no_grad(), SelectionProbe(model) as probe:
+        model(torch.randint(0, model.config.vocab_size, (2, 20)), use_cache=False)
+    one = probe.summary()[next(iter(inserted_layers(model)))]
+    assert one["mean_destinations"] == 1 and one["permutation_share"] == 0
+    assert one["surviving_16_tokens"] == 1 and one["surviving_sequence"] == 1
 
 
 def test_refuses_a_model_without_pdssm_layers_and_restores_after_an_error():

@@ -8,6 +8,9 @@ state entries remember (|D_t|), over the real tokens only; `summary()` turns tha
                     those that are the identity (a diagonal step); merging members have fewer destinations
   half-life         ln 0.5 / ln |D_t| in tokens, median over (token, entry), and the share of entries that keep
                     half of their value for 64 tokens or more (about the span of a Box example)
+  surviving         how many of the N entries of a state keep apart through the selected maps: the image size
+                    of their composition over 16 tokens and over a whole sequence (mean over sequences and heads;
+                    N for permutations, fewer when members merge entries: then what they held is summed)
 
 A layer that always selects one member, or only identities, is a diagonal SSM on that task; one whose entries
 halve within a few tokens cannot carry a box's content across the operations that follow it."""
@@ -18,10 +21,17 @@ import math
 
 import torch
 
+from ..ops.pd_select.function import gather_transitions
 from .surgery import inserted_layers
 
 # half-life bins in tokens: [0, 1), [1, 2), [2, 4), ... [64, 128), [128, inf)
 _EDGES = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0])
+
+
+def _image_size(where: torch.Tensor) -> torch.Tensor:
+    """Distinct values along the last dim: [..., N] -> [...]."""
+    v = where.sort(-1).values
+    return (v[..., 1:] != v[..., :-1]).sum(-1) + 1
 
 
 class SelectionProbe:
@@ -33,7 +43,7 @@ class SelectionProbe:
         self.blocks = {i: b for i, b in inserted_layers(model).items() if b.kind == "pdssm"}
         if not self.blocks:
             raise ValueError("SelectionProbe: the model has no inserted pdssm layers")
-        self.counts, self.halflife = {}, {}
+        self.counts, self.halflife, self.surviving = {}, {}, {}
 
     def __enter__(self):
         for i, block in self.blocks.items():
@@ -41,6 +51,7 @@ class SelectionProbe:
             H, K = mixer.num_heads, mixer.dict_size
             self.counts[i] = torch.zeros(H, K, dtype=torch.float64)
             self.halflife[i] = torch.zeros(H, len(_EDGES) + 1, dtype=torch.float64)
+            self.surviving[i] = torch.zeros(3, dtype=torch.float64)   # sum over 16 tokens, over sequences, count
             mixer._scan_and_read = self._recording(i, mixer, mixer._scan_and_read)
         return self
 
@@ -66,6 +77,15 @@ class SelectionProbe:
                 nb = len(_EDGES) + 1
                 ok = keep.unsqueeze(-1).expand_as(bins)
                 self.halflife[i] += torch.bincount((hb * nb + bins)[ok], minlength=H * nb).view(H, nb).double().cpu()
+                P = gather_transitions(mixer.transitions(), kstar, attention_mask).long()   # [B, H, L, N]
+                where = torch.arange(P.shape[-1], device=P.device).expand(P.shape[0], H, -1)  # entry m is at where[m]
+                first = None
+                for t in range(P.shape[2]):
+                    where = torch.gather(P[:, :, t], -1, where)
+                    if t == min(15, P.shape[2] - 1):
+                        first = _image_size(where)
+                self.surviving[i] += torch.tensor([float(first.sum()), float(_image_size(where).sum()),
+                                                   first.numel()], dtype=torch.float64)
             return scan_and_read(u, attention_mask, x0)
         return run
 
@@ -98,5 +118,7 @@ class SelectionProbe:
                 "mean_destinations": float((share * distinct).sum(1).mean()), "state_size": N,
                 "halflife_median_tokens": [bounds[median_bin], bounds[median_bin + 1]],
                 "halflife_64_share": float(hl[:, -2:].sum() / hl.sum()),
+                "surviving_16_tokens": float(self.surviving[i][0] / self.surviving[i][2]),
+                "surviving_sequence": float(self.surviving[i][1] / self.surviving[i][2]),
             }
         return out

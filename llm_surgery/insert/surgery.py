@@ -31,6 +31,12 @@ from .host import attention_layers, base_model, dtype_and_device, norm_eps
 
 _ATTR = "_llm_surgery"
 
+# Inserted layers' options over the registry's. Flash PD-SSM dictionaries start as identities (a diagonal SSM that
+# learns where to permute): from PD-SSM's random maps they stayed merging maps, which collapse a head's state to one
+# entry within a Box example (`insert/probe.py`); on the CPU main job, 3 seeds, test IID exact match 26.9% with the
+# random maps and 40.9% with identities (docs/bench/train.md).
+INSERTED_DEFAULTS = {"pdssm": {"dict_init": "identity"}}
+
 
 def _registry():
     """The mixer registry, imported late so that this module imports without the layer packages."""
@@ -92,8 +98,7 @@ def _resolve(base, kind, n, positions, layer_options) -> list[LayerSpec]:
     hidden = int(base.config.hidden_size)
     specs = []
     for k, p in zip(kinds, positions):
-        opts = dict(reg.default_options(k, hidden))
-        opts.update(layer_options)
+        opts = {**reg.default_options(k, hidden), **INSERTED_DEFAULTS.get(k, {}), **layer_options}
         specs.append(LayerSpec(k, p, attn[p], opts))
     return sorted(specs, key=lambda s: s.layer_idx)
 
@@ -261,7 +266,8 @@ def insert_layers(model, kind, n: int, positions=None, **layer_options):
     kind: "pdssm", "mamba2" or "deltanet", or a list of n kinds (paired with `positions` in order).
     positions: indices into the host's attention blocks (0 = first attention block). Default: n blocks spread
         evenly over depth; n = number of attention blocks gives one layer before every attention block (the paper).
-    layer_options: mixer constructor options, on top of `default_options(kind, hidden_size)`; with mixed kinds
+    layer_options: mixer constructor options, on top of `default_options(kind, hidden_size)` and
+        `INSERTED_DEFAULTS` (pdssm dictionaries start as identities); with mixed kinds
         they go to every kind.
     The whole host is frozen; only the inserted layers train. Each is `x + mixer(RMSNorm(x))` with `out_proj` at
     zero, so the model computes exactly what the host did. Returns the same model, modified in place.
