@@ -42,24 +42,36 @@ def _route(reference, kernel):
     return call
 
 
-def keep_cpu_convolutions_in_torch() -> list[str]:
-    """Where causal-conv1d is installed, transformers' hybrid layers call its CUDA-only kernels for CPU tensors too
-    (a host moved to the CPU fails with "Expected x.is_cuda() to be true"): send CPU tensors to the torch function
-    that transformers' decorator wraps. Idempotent; returns the functions routed."""
-    routed = []
+def _route_in_hosts(routes: dict) -> dict[str, list[str]]:
+    """For every host module and each of its functions named in `routes` (name -> (function -> (reference,
+    kernel)), or None to leave it), put `_route(reference, kernel)` in its place, once (idempotent). Returns
+    {module's short name: the names routed, now or before}."""
+    done = {}
     for name in HOST_MODULES:
         try:
             mod = importlib.import_module(name)
         except ImportError:
             continue
-        for attr in ("causal_conv1d_fn", "causal_conv1d_update"):
+        for attr, pair in routes.items():
             fn = getattr(mod, attr, None)
-            torch_function = getattr(fn, "__wrapped__", None)
-            if fn is None or torch_function is None or getattr(fn, _PATCHED, False):
+            if fn is None:
                 continue
-            setattr(mod, attr, _route(torch_function, fn))
-            routed.append(f"{name.rsplit('.', 1)[-1]}.{attr}")
-    return routed
+            if not getattr(fn, _PATCHED, False):
+                reference_and_kernel = pair(fn)
+                if reference_and_kernel is None:
+                    continue
+                setattr(mod, attr, _route(*reference_and_kernel))
+            done.setdefault(name.rsplit(".", 1)[-1], []).append(attr)
+    return done
+
+
+def keep_cpu_convolutions_in_torch() -> list[str]:
+    """Where causal-conv1d is installed, transformers' hybrid layers call its CUDA-only kernels for CPU tensors too
+    (a host moved to the CPU fails with "Expected x.is_cuda() to be true"): send CPU tensors to the torch function
+    that transformers' decorator wraps. Idempotent; returns the functions routed ("module.function")."""
+    wrapped = lambda fn: None if getattr(fn, "__wrapped__", None) is None else (fn.__wrapped__, fn)  # noqa: E731
+    done = _route_in_hosts({"causal_conv1d_fn": wrapped, "causal_conv1d_update": wrapped})
+    return [f"{module}.{attr}" for module, attrs in done.items() for attr in attrs]
 
 
 def use_mamba_kernels_for_hosts() -> str:
@@ -74,22 +86,9 @@ def use_mamba_kernels_for_hosts() -> str:
     if kernels is None:
         return "host Mamba2 layers: torch reference (mamba-ssm's Triton kernels did not import)"
     chunk_scan, state_update = kernels
-    done = []
-    for name in HOST_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        routed = []
-        for attr, kernel in (("mamba2_chunk_scan", chunk_scan), ("mamba2_selective_state_update", state_update)):
-            ref = getattr(mod, attr, None)
-            if ref is None:
-                continue
-            if not getattr(ref, _PATCHED, False):
-                setattr(mod, attr, _route(ref, kernel))
-            routed.append(attr)
-        if routed:
-            done.append(f"{name.rsplit('.', 1)[-1]} ({', '.join(routed)})")
+    done = _route_in_hosts({"mamba2_chunk_scan": lambda fn: (fn, chunk_scan),
+                            "mamba2_selective_state_update": lambda fn: (fn, state_update)})
+    done = [f"{module} ({', '.join(attrs)})" for module, attrs in done.items()]
     if not done:
         return "host Mamba2 layers: torch reference (this transformers has no mamba2_chunk_scan to route)"
     return "host Mamba2 layers on mamba-ssm Triton kernels for CUDA tensors: " + "; ".join(done)
