@@ -150,11 +150,11 @@ class TrainConfig:
             if not ok:
                 span = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
                 raise UsageError(f"{name} must be a finite number in {span}{hint}, got {v!r}")
-        for k in self.kind.split("+"):
-            if k not in KINDS:
-                raise UsageError(f"kind must be one of {KINDS} (or n of them joined by '+'), got {self.kind!r}")
-        if "+" in self.kind and len(self.kind.split("+")) != self.n:
-            raise UsageError(f"kind {self.kind!r} lists {len(self.kind.split('+'))} kinds for n={self.n} layers")
+        kinds = self.kind.split("+")
+        if not set(kinds) <= set(KINDS):
+            raise UsageError(f"kind must be one of {KINDS} (or n of them joined by '+'), got {self.kind!r}")
+        if len(kinds) > 1 and len(kinds) != self.n:
+            raise UsageError(f"kind {self.kind!r} lists {len(kinds)} kinds for n={self.n} layers")
         choice("schedule", SCHEDULES)
         choice("mixed_precision", (*PRECISIONS, None))
         choice("host_dtype", HOST_DTYPES)
@@ -186,7 +186,7 @@ class TrainConfig:
         number("min_lr_ratio", 0, 1, high_open=False)
         if self.positions is not None and len(self.positions) != self.n:
             raise UsageError(f"positions {self.positions} must list n={self.n} layer indices")
-        for k in sorted(set(self.kind.split("+"))):   # with mixed kinds the options go to every kind
+        for k in sorted(set(kinds)):   # with mixed kinds the options go to every kind
             unknown = sorted(set(self.mixer_kwargs()) - constructor_options(k))
             if unknown:
                 raise UsageError(f"mixer_options {unknown} are not options of the {k} mixer; known: "
