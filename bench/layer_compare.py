@@ -159,11 +159,11 @@ def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
             layer.eval()
             _, state = layer(x, return_state=True)
             return median_ms(lambda: layer.step(tok, state), iters, warmup=3)
-        if kind.startswith("block-"):
+        if kind.startswith("block-"):  # as the surgery's generation cache runs it: the state updated in place
             layer.eval()
             _, state = layer(x, return_state=True)
             t1 = tok.unsqueeze(1)
-            return median_ms(lambda: layer(t1, state=state, return_state=True), iters, warmup=3)
+            return median_ms(lambda: layer(t1, state=state, return_state=True, inplace=True), iters, warmup=3)
         if kind in ("fla-deltanet", "lib-deltanet"):
             from fla.models.utils import Cache
             layer.eval()

@@ -340,6 +340,43 @@ def test_cache_filled_without_inserted_layers_is_refused(host_dirs):
         decode(model, cache, ids(1, 6), 5)
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "deltanet"])
+def test_generation_state_is_updated_in_place_unless_kept_and_a_failed_step_is_not_continued(kind):
+    """The mixers get inplace=True from a cache that keeps no history (its state is their only copy) and False from
+    one that does; a forward that fails inside an inserted layer (whose state may then be half-updated) leaves a
+    cache that is refused, not continued."""
+    model = trained(attention_only("granite"), "granite", kind)
+    mixer = next(iter(inserted_layers(model).values())).mixer
+    seen = []
+    mixer.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("inplace")), with_kwargs=True)
+    x = ids(2, 8, seed=12)
+    for cache, want in ((DynamicCache(config=model.config), True),
+                        (keep_state_history(DynamicCache(config=model.config)), False)):
+        seen.clear()
+        with torch.no_grad():
+            model(x[:, :6], use_cache=True, **cache_kw(model, cache))
+        decode(model, cache, x, 6)
+        assert seen == [want] * 3
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :6], use_cache=True, **cache_kw(model, cache))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    mixer.forward = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        decode(model, cache, x, 6, 7)
+    del mixer.forward
+    with pytest.raises(ValueError, match="holds 6 tokens that inserted layer .* did not see .*failed"):
+        decode(model, cache, x, 6, 7)
+    cache.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=True, **cache_kw(model, cache)).logits,
+                                   model(x, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------------ save/load
 @pytest.mark.parametrize("arch,kind", CASES)
 def test_save_load_roundtrip(host_dirs, tmp_path, arch, kind):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from llm_surgery.layers import deltanet as deltanet_mod
 from llm_surgery.layers import mamba2 as mamba2_mod
+from llm_surgery.layers.common import conv_update
 from llm_surgery.layers.deltanet import DeltaNetMixer
 from llm_surgery.layers.mamba2 import Mamba2Mixer
 
@@ -446,6 +447,19 @@ def test_cuda_library_layer_matches_cpu_path(kind):
     assert _rel(torch.cat(outs, 1), full) < 3e-2
     assert _rel(state[0], state_ref[0]) < 2e-2 and _rel(state[1], state_ref[1]) < 3e-2
     assert state[0].shape == state_ref[0].shape and state[1].dtype == torch.float32
+
+    # a step leaves the state given as it was; with inplace=True it gives the same output and state, written into
+    # the given tensors where the library's step updates its own in place (no copy per token)
+    with torch.no_grad():
+        kept = [t.clone() for t in state]
+        out, new = gpu(xg[:, 48:49], state=state, return_state=True)
+        assert all(torch.equal(a, b) for a, b in zip(state, kept))
+        out_i, new_i = gpu(xg[:, 48:49], state=state, return_state=True, inplace=True)
+    assert torch.equal(out_i, out) and all(torch.equal(a, b) for a, b in zip(new_i, new))
+    if conv_update() is not None:  # causal-conv1d's update takes the conv state as it is
+        assert new_i[0] is state[0]
+    if kind == "mamba2":  # selective_state_update writes the scan state (fla's recurrent kernel makes a new one)
+        assert new_i[1] is state[1]
 
     # padding: left (generation) and right (training) masks give the unpadded rows' outputs; left padding leaves
     # the state as the unpadded row's

@@ -22,7 +22,8 @@ def tokens_alone(model):
     originals = [(b.mixer, b.mixer.forward) for b in blocks]
 
     def alone(forward):
-        def run(hidden_states: torch.Tensor, attention_mask=None, state=None, return_state: bool = False):
+        def run(hidden_states: torch.Tensor, attention_mask=None, state=None, return_state: bool = False,
+                inplace: bool = False):
             if state is not None or return_state:
                 raise ValueError("tokens_alone: the mixers keep no state; run the model with use_cache=False")
             b, L, d = hidden_states.shape

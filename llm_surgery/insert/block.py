@@ -14,7 +14,7 @@ class InsertedBlock(GradientCheckpointingLayer):
     """`x + mixer(norm(x))`, run by a forward pre-hook of the attention decoder layer at `layer_idx`.
 
     A `GradientCheckpointingLayer`, so `model.gradient_checkpointing_enable()` checkpoints it on its own (the
-    pre-hook runs outside the host layer's checkpoint). `state` / `return_state` are the mixer's: during
+    pre-hook runs outside the host layer's checkpoint). `state` / `return_state` / `inplace` are the mixer's: during
     generation the surgery passes the state it keeps for the cache and stores the one returned.
     """
 
@@ -26,11 +26,11 @@ class InsertedBlock(GradientCheckpointingLayer):
         self.mixer = mixer
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, state=None,
-                return_state: bool = False):
+                return_state: bool = False, inplace: bool = False):
         x = self.norm(hidden_states)
         if not return_state:
             return hidden_states + self.mixer(x, attention_mask=attention_mask, state=state).to(hidden_states.dtype)
-        y, new_state = self.mixer(x, attention_mask=attention_mask, state=state, return_state=True)
+        y, new_state = self.mixer(x, attention_mask=attention_mask, state=state, return_state=True, inplace=inplace)
         return hidden_states + y.to(hidden_states.dtype), new_state
 
     def extra_repr(self) -> str:

@@ -136,16 +136,27 @@ def cached_tokens(cache, layer_idx: int) -> int:
 
 def step(block, hidden: torch.Tensor, mask, cache) -> torch.Tensor:
     """Run `block` on `hidden` continuing its state in `cache`: prefill when it has none for this cache, else
-    continue from it; refuses a cache whose attention length and the block's state disagree."""
+    continue from it; refuses a cache whose attention length and the block's state disagree.
+
+    Unless the history is kept, no one else holds the layer's state, so the mixer may update its tensors in place
+    (`inplace`: no state copy per decoded token). A call that fails may have left them half-updated: the layer's
+    state is then dropped, and the cache refused until reset(), instead of continuing from it."""
     state = cache_state(cache)
     seen, previous = state.latest(block.layer_idx)
     held = cached_tokens(cache, block.layer_idx)
     if held != seen:
         if previous is None:
             raise ValueError(f"the cache already holds {held} tokens that inserted layer {block.layer_idx} did not "
-                             "see (filled before the surgery or by another model); start from an empty cache")
+                             "see (filled before the surgery, by another model, or by a forward that failed); start "
+                             "from an empty cache or reset() it")
         raise ValueError(f"the cache holds {held} tokens but inserted layer {block.layer_idx}'s state covers "
                          f"{seen}: the cache was changed in a way the inserted layers cannot follow; reset() it")
-    out, new = block(hidden, attention_mask=mask, state=previous, return_state=True)
+    inplace = not state.keep_history
+    try:
+        out, new = block(hidden, attention_mask=mask, state=previous, return_state=True, inplace=inplace)
+    except BaseException:
+        if inplace:
+            state.layers.pop(block.layer_idx, None)
+        raise
     state.put(block.layer_idx, seen + hidden.shape[1], new)
     return out

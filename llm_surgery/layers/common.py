@@ -4,6 +4,8 @@ plain RMSNorm of the blocks around a mixer (the surgery's inserted block, the st
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,19 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), bias.to(xt.dtype) if bias is not None else None,
                  groups=C)
     return y.transpose(1, 2), full[:, :, -(W - 1):].contiguous() if W > 1 else full[:, :, :0]
+
+
+@functools.cache
+def conv_update():
+    """causal-conv1d's `causal_conv1d_update`, or None where causal-conv1d does not import (the same import
+    mamba-ssm's `Mamba2.step` makes to pick it); CUDA only. Its one-token step updates a conv state in place and
+    takes the mixers' own (the last conv_kernel - 1 inputs, any strides; conv_kernel 2..4), so a decode step needs
+    no conversion of the state to the libraries' conv_kernel-wide caches."""
+    try:
+        from causal_conv1d import causal_conv1d_update
+    except ImportError:
+        return None
+    return causal_conv1d_update
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, hidden_states: torch.Tensor, name: str) -> None:

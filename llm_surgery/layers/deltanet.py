@@ -4,8 +4,8 @@ load into each other.
 
 On CUDA (when `fla` imports) fla's own `DeltaNet` layer runs on this module's parameters; a call that continues
 or returns a state (prefill and one-token decode in generation) runs fla's pieces: its short convolutions with
-their cache (one-token: the in-place conv step) and its delta-rule kernels (fused-recurrent up to 64 tokens,
-chunked beyond). Anywhere else an exact chunked (WY-form) torch scan computes the same function. The final
+their cache (one token: causal-conv1d's in-place update, where it imports, on the mixer's own conv state) and its
+delta-rule kernels (fused-recurrent up to 64 tokens, chunked beyond). Anywhere else an exact chunked (WY-form) torch scan computes the same function. The final
 projection is `o_proj` (fla's name); `out_proj` (the mixer contract) is an alias.
 """
 
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states, library_layer
+from .common import (apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states, conv_update,
+                     library_layer)
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -88,7 +89,8 @@ class DeltaNetMixer(nn.Module):
     beta = sigmoid(b_proj) -> delta-rule scan -> per-head RMSNorm gated by silu(g_proj) -> o_proj.
 
     `head_dim` sets the key and value head width (`value_head_dim` overrides the value side).
-    `backend`: "auto" (fla on CUDA when importable, torch otherwise), "torch", or "kernel".
+    `backend`: "auto" (fla on CUDA when importable, torch otherwise), "torch", or "kernel". `inplace=True` lets the
+    decode step write the new conv state into the given one (docs/design.md, sequence mixers).
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int = 64,
@@ -182,28 +184,48 @@ class DeltaNetMixer(nn.Module):
                 return layer_cls(**self.library_options())
         return library_layer(self, build)
 
-    def _library_with_state(self, kernels, layer, x, mask, conv_state, S0):
-        """fla's pieces on a call that continues or returns a state. fla's conv caches hold the last conv_kernel
-        inputs of each of q, k, v (ours the last conv_kernel - 1, concatenated: the oldest is shifted out before
-        use); padded positions get zero conv input and beta = 0, the identity on the state."""
+    def _short_convs(self, layer, x, mask, conv_state, inplace: bool):
+        """(q, k, v) after fla's short convolutions (with their SiLU), and the new conv state.
+
+        One token without a mask or autograd, where causal-conv1d imports: its in-place update (the kernel of
+        fla's "cuda" conv backend), which takes our conv state as it is, on the q, k and v channels of the given
+        state when `inplace`, else of a copy. Otherwise fla's convolutions with their caches, which hold the last
+        conv_kernel inputs of each of q, k, v (ours the last conv_kernel - 1, concatenated): each cache gets a zero
+        column in front (the oldest, shifted out before use), and the new ones are cut and concatenated."""
+        convs, projs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), (layer.q_proj, layer.k_proj, layer.v_proj)
+        sizes = [self.key_dim, self.key_dim, self.value_dim]
+        update = conv_update()
+        if (x.shape[1] == 1 and mask is None and not torch.is_grad_enabled() and update is not None
+                and 2 <= self.conv_kernel <= 4):
+            state = (x.new_zeros(x.shape[0], self.conv_channels, self.conv_kernel - 1) if conv_state is None
+                     else conv_state.to(x.dtype, copy=not inplace))
+            x1 = x[:, 0]
+            qkv = [update(proj(x1), s, conv.weight[:, 0], conv.bias, conv.activation)[:, None]
+                   for proj, conv, s in zip(projs, convs, state.split(sizes, 1))]
+            return qkv, state
+        mask = None if mask is None else mask.to(x.dtype)  # fla's conv multiplies x by it in place
+        caches = ([None] * 3 if conv_state is None
+                  else [F.pad(c.to(x.dtype), (1, 0)) for c in conv_state.split(sizes, 1)])
+        qkv, new_conv = [], []
+        for proj, conv, cache in zip(projs, convs, caches):
+            y, final = conv(x=proj(x), mask=mask, cache=cache, output_final_state=True)
+            qkv.append(y)
+            new_conv.append(final[:, :, 1:])
+        return qkv, torch.cat(new_conv, 1)
+
+    def _library_with_state(self, kernels, layer, x, mask, conv_state, S0, inplace: bool):
+        """fla's pieces on a call that continues or returns a state (`_short_convs`, then fla's delta-rule
+        kernels); padded positions get zero conv input and beta = 0, the identity on the state."""
         chunk, recurrent, _ = kernels
         b, L, _ = x.shape
         H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
-        mask = None if mask is None else mask.to(x.dtype)  # fla's conv multiplies x by it in place
-        caches = [None] * 3 if conv_state is None else [
-            F.pad(c.to(x.dtype), (1, 0)) for c in conv_state.split([self.key_dim, self.key_dim, self.value_dim], 1)]
-        q, k, v, new_conv = [], [], [], []
-        for out, proj, conv, cache in zip((q, k, v), (layer.q_proj, layer.k_proj, layer.v_proj),
-                                          (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), caches):
-            y, final = conv(x=proj(x), mask=mask, cache=cache, output_final_state=True)
-            out.append(y)
-            new_conv.append(final[:, :, 1:])
-        q, k, v = q[0].reshape(b, L, H, dk), k[0].reshape(b, L, H, dk), v[0].reshape(b, L, H, dv)
+        (q, k, v), new_conv = self._short_convs(layer, x, mask, conv_state, inplace)
+        q, k, v = q.reshape(b, L, H, dk), k.reshape(b, L, H, dk), v.reshape(b, L, H, dv)
         beta = layer.b_proj(x).sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2
         if mask is not None:
-            beta = beta * mask.unsqueeze(-1)
+            beta = beta * mask.to(beta.dtype).unsqueeze(-1)
         h0 = None if S0 is None else S0.float().contiguous()
         if L <= FUSED_RECURRENT_MAX_LEN:  # short prefill and decode: the recurrent kernel, as fla's layer does
             o, S = recurrent(q, k, v, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -213,11 +235,11 @@ class DeltaNetMixer(nn.Module):
                          use_qk_l2norm_in_kernel=True)
         o = o.to(x.dtype)
         o = layer.o_norm(o, layer.g_proj(x).reshape(b, L, H, dv)) if self.use_gate else layer.o_norm(o)
-        return layer.o_proj(o.reshape(b, L, self.value_dim)), (torch.cat(new_conv, 1), S.float())
+        return layer.o_proj(o.reshape(b, L, self.value_dim)), (new_conv, S.float())
 
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                state=None, return_state: bool = False):
+                state=None, return_state: bool = False, inplace: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "DeltaNetMixer")
         check_attention_mask(attention_mask, hidden_states, "DeltaNetMixer")
         in_dtype, dtype = hidden_states.dtype, self.o_proj.weight.dtype
@@ -231,7 +253,7 @@ class DeltaNetMixer(nn.Module):
             if state is None and not return_state and dtype != torch.float32:
                 # fla's layer (its chunk kernel refuses float32); it unpads a padding mask itself
                 return layer(x, attention_mask=attention_mask)[0].to(in_dtype)
-            out, new_state = self._library_with_state(kernels, layer, x, attention_mask, conv_state, S0)
+            out, new_state = self._library_with_state(kernels, layer, x, attention_mask, conv_state, S0, inplace)
             return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
 
         H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim

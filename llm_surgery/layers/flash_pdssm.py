@@ -225,7 +225,8 @@ class FlashPDSSM(nn.Module):
 
     # ---- Mixer contract -----------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, state=None,
-                return_state: bool = False):
+                return_state: bool = False, inplace: bool = False):
+        # `inplace` (the mixer contract) is a permission this layer does not use: its step makes new tensors
         check_hidden_states(hidden_states, self.hidden_size, "FlashPDSSM")
         check_attention_mask(attention_mask, hidden_states, "FlashPDSSM")
         Bsz, L, _ = hidden_states.shape

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import (GatedRMSNorm, apply_padding_mask, causal_conv1d, check_attention_mask, check_hidden_states,
-                     is_right_padding, library_layer)
+                     conv_update, is_right_padding, library_layer)
 
 BACKENDS = ("auto", "torch", "kernel")
 _KERNELS: dict[str, object] = {}
@@ -128,6 +128,8 @@ class Mamba2Mixer(nn.Module):
     On CUDA, mamba-ssm's `Mamba2` (see `library_options`) runs the forward without state or left padding and the
     one-token decode step; a prefill that continues or returns a state, or has left padding, runs this block on
     mamba-ssm's chunk-scan kernel (the module's own forward takes no start state and no padding mask).
+    `inplace=True` lets the decode step write the new state into the given state's tensors, as `Mamba2.step`
+    does with its own (docs/design.md, sequence mixers).
     """
 
     def __init__(self, hidden_size: int, num_heads: int | None = None, head_dim: int = 64,
@@ -222,21 +224,27 @@ class Mamba2Mixer(nn.Module):
         layer.norm.eps = self.norm.eps
         return layer
 
-    def _library_step(self, layer, x, conv_state, ssm_state):
-        """One token through `Mamba2.step` (causal_conv1d_update + selective_state_update). Its conv state holds
-        the last conv_kernel inputs (ours the last conv_kernel - 1: the oldest is shifted out before use) and is
-        updated in place, as is the scan state: both are fresh copies here, so a kept state is never changed."""
+    def _library_step(self, layer, x, conv_state, ssm_state, inplace: bool):
+        """One token through `Mamba2.step` (causal_conv1d_update + selective_state_update), which updates both
+        states in place: the given ones when `inplace`, else copies, so a kept state is never changed.
+        causal-conv1d's update takes our conv state as it is; mamba-ssm's torch fallback (no causal-conv1d) needs
+        the libraries' conv_kernel columns (ours hold the last conv_kernel - 1 inputs): a zero column goes in
+        front (the oldest, shifted out before use) and is cut off again."""
         b = x.shape[0]
-        conv = (x.new_zeros(b, self.conv_dim, self.conv_kernel) if conv_state is None
-                else F.pad(conv_state.to(x.dtype), (1, 0)))
-        h = (x.new_zeros(b, self.num_heads, self.head_dim, self.state_size, dtype=torch.float32)
-             if ssm_state is None else ssm_state.float().clone())
-        out, conv, h = layer.step(x, conv, h)
-        return out, (conv[:, :, 1:].contiguous(), h)
+        if conv_state is None:  # the start state, in fresh tensors
+            conv_state = x.new_zeros(b, self.conv_dim, self.conv_kernel - 1)
+            ssm_state = x.new_zeros(b, self.num_heads, self.head_dim, self.state_size, dtype=torch.float32)
+            inplace = True
+        h = ssm_state.to(torch.float32, copy=not inplace)
+        if conv_update() is None:
+            out, conv, h = layer.step(x, F.pad(conv_state.to(x.dtype), (1, 0)), h)
+            return out, (conv[:, :, 1:], h)
+        out, conv, h = layer.step(x, conv_state.to(x.dtype, copy=not inplace), h)
+        return out, (conv, h)
 
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                state=None, return_state: bool = False):
+                state=None, return_state: bool = False, inplace: bool = False):
         check_hidden_states(hidden_states, self.hidden_size, "Mamba2Mixer")
         check_attention_mask(attention_mask, hidden_states, "Mamba2Mixer")
         in_dtype, dtype = hidden_states.dtype, self.out_proj.weight.dtype
@@ -250,7 +258,7 @@ class Mamba2Mixer(nn.Module):
         if layer is not None and state is None and not return_state and is_right_padding(attention_mask):
             return layer(hidden_states).to(in_dtype)  # right padding: no real token sees a padded one
         if layer is not None and L == 1 and attention_mask is None and not torch.is_grad_enabled():
-            out, new_state = self._library_step(layer, hidden_states, conv_state, ssm_state)
+            out, new_state = self._library_step(layer, hidden_states, conv_state, ssm_state, inplace)
             return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
 
         z, xBC, dt = self.in_proj(hidden_states).split([self.d_inner, self.conv_dim, H], dim=-1)
@@ -271,7 +279,7 @@ class Mamba2Mixer(nn.Module):
         h0 = None if ssm_state is None else ssm_state.to(scan_dtype)
 
         if kernels is not None:
-            y, h = self._scan_kernels(kernels, x, dt, A, Bm, Cm, D, h0)
+            y, h = self._scan_kernels(kernels, x, dt, A, Bm, Cm, D, h0, inplace)
         else:
             y, h = ssd_scan_torch(x.to(scan_dtype), dt, A, Bm.to(scan_dtype), Cm.to(scan_dtype), h0,
                                   chunk_size=min(self.chunk_size, 64))
@@ -282,12 +290,12 @@ class Mamba2Mixer(nn.Module):
             return out.to(in_dtype), (new_conv_state, h)
         return out.to(in_dtype)
 
-    def _scan_kernels(self, kernels, x, dt, A, Bm, Cm, D, h0):
+    def _scan_kernels(self, kernels, x, dt, A, Bm, Cm, D, h0, inplace: bool):
         chunk_scan, state_update = kernels
         b, L, H, P = x.shape
-        if L == 1 and not torch.is_grad_enabled():  # one-token decode: selective_state_update
+        if L == 1 and not torch.is_grad_enabled():  # one-token decode: selective_state_update, in place
             h = (x.new_zeros(b, H, P, self.state_size, dtype=torch.float32) if h0 is None
-                 else h0.float().clone())
+                 else h0.to(torch.float32, copy=not inplace))
             # per-head values broadcast over head_dim with stride 0 (the kernel's tied-head fast path,
             # which also reads dt_bias: pass zeros, dt is already softplus-ed and masked)
             zeros = dt.new_zeros(1, 1).float().expand(H, P)
