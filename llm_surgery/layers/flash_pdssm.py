@@ -149,6 +149,19 @@ class FlashPDSSM(nn.Module):
         if isinstance(value, (bool, str)) or not math.isfinite(tau) or tau <= 0:
             raise ValueError(f"FlashPDSSM: tau must be a positive finite number, got {value!r}")
         self._tau = tau
+        held = self.__dict__.get("_tau_held")
+        if held is not None:
+            held.fill_(tau)
+
+    def tau_held(self, device: torch.device) -> torch.Tensor:
+        """tau as a float32 scalar tensor on `device`, rewritten in place whenever tau is set: the straight-through
+        backward reads the temperature from memory, so a captured CUDA graph replays with the current one
+        (annealed every step) instead of the one it was captured with. Not a buffer: a dtype cast of the model
+        must not round it."""
+        held = self.__dict__.get("_tau_held")
+        if held is None or held.device != device:
+            held = self._tau_held = torch.tensor(self._tau, dtype=torch.float32, device=device)
+        return held
 
     DICT_INITS = ("normal", "permutation", "identity")
     B_GATES = fused.B_GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
@@ -265,7 +278,7 @@ class FlashPDSSM(nn.Module):
             keep = attention_mask.to(torch.bool)[:, None, :, None]
             D = torch.where(keep, D, torch.ones_like(D))
         if torch.is_grad_enabled() and (self.dictionary.requires_grad or sel.requires_grad):
-            x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau, mask=attention_mask)
+            x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau_held(b.device), mask=attention_mask)
         else:  # inference: the same hard forward without the straight-through bookkeeping
             x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0,
                         check_values=False)   # argmaxes: in range by construction, no host sync
@@ -294,7 +307,7 @@ class FlashPDSSM(nn.Module):
         exists for the whole batch, and x needs no re/im concatenation or bf16 copy."""
         y, last_re, last_im = fused.fused_middle(
             u, self.x_proj.weight, self.decay_bias, self.dictionary, self.B, x0.to(torch.complex64), self.C,
-            self.D_skip, self.tau, attention_mask, self.b_gate, self.unit_snap, self.phase_levels)
+            self.D_skip, self.tau_held(u.device), attention_mask, self.b_gate, self.unit_snap, self.phase_levels)
         return y, torch.complex(last_re, last_im)
 
     def step(self, hidden_state: torch.Tensor, state=None):

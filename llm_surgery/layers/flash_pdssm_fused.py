@@ -325,7 +325,8 @@ class _FusedMiddle(torch.autograd.Function):
 
 def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M: torch.Tensor,
                              Bw: torch.Tensor, x0: torch.Tensor, C: torch.Tensor, D_skip: torch.Tensor,
-                             tau: float = 1.0, mask: torch.Tensor | None = None, b_gate: str | None = None,
+                             tau: float | torch.Tensor = 1.0, mask: torch.Tensor | None = None,
+                             b_gate: str | None = None,
                              unit_snap: float = 0.0, phase_levels: int = 0):
     """(y [B,L,H*P] in u's dtype, x_last_re [B,H,N], x_last_im [B,H,N] float32): the middle of a complex
     FlashPDSSM layer, from its input u to its readout y = Re(C_h x_t) + D_skip * u_t, with the hard-selected
@@ -366,11 +367,12 @@ def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M:
                          f"got {x0.dtype} {tuple(x0.shape)}")
     if mask is not None and mask.shape != (B, L):
         raise ValueError(f"fused_middle: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
-    if tau <= 0:
+    if not isinstance(tau, torch.Tensor) and tau <= 0:   # a tensor (FlashPDSSM.tau_held) is checked where set
         raise ValueError(f"fused_middle: tau must be > 0, got {tau}")
     if unit_snap < 0 or phase_levels < 0:
         raise ValueError(f"fused_middle: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
                          f"{phase_levels}")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, Wx, decay_bias, M, Bw, x0, C, D_skip))
-    return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, float(tau), mask, b_gate,
+    return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip,
+                              tau if isinstance(tau, torch.Tensor) else float(tau), mask, b_gate,
                               float(unit_snap), int(phase_levels), grad)

@@ -70,8 +70,9 @@ def selector_grad(P_dict: torch.Tensor, lam: torch.Tensor, dx: torch.Tensor) -> 
     return torch.stack(r, dim=-1)
 
 
-def softmax_jacobian_apply(logits: torch.Tensor, grad: torch.Tensor, tau: float, dim: int) -> torch.Tensor:
-    """Vector-Jacobian product of softmax(logits / tau) along dim."""
+def softmax_jacobian_apply(logits: torch.Tensor, grad: torch.Tensor, tau: float | torch.Tensor,
+                           dim: int) -> torch.Tensor:
+    """Vector-Jacobian product of softmax(logits / tau) along dim (tau a number or a scalar tensor)."""
     cd = torch.promote_types(logits.dtype, torch.float32)
     s = torch.softmax(logits.to(cd) / tau, dim=dim)
     g = grad.to(cd)
@@ -114,11 +115,13 @@ class _PDSelectScan(torch.autograd.Function):
 
 
 def pd_select_scan(M: torch.Tensor, sel: torch.Tensor, D: torch.Tensor, b: torch.Tensor,
-                   x0: torch.Tensor | None = None, tau: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   x0: torch.Tensor | None = None, tau: float | torch.Tensor = 1.0,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Hard-selected PD scan with straight-through gradients for the dictionary M and the selector logits.
 
     M [H,K,N,N] real; sel [B,H,L,K] real; D, b [B,H,L,N] (real or complex, same dtype); x0 [B,H,N];
-    mask [B,L] (0 = padding: that step's transition is the identity, whatever is selected).
+    mask [B,L] (0 = padding: that step's transition is the identity, whatever is selected). tau: a number, or a
+    scalar tensor read when the backward runs (`FlashPDSSM.tau_held`; its value is checked where it is set).
     """
     if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
         raise ValueError(f"pd_select_scan: M must be [H, K, N, N], got {tuple(M.shape)}")
@@ -128,10 +131,10 @@ def pd_select_scan(M: torch.Tensor, sel: torch.Tensor, D: torch.Tensor, b: torch
     if sel.shape != b.shape[:3] + (K,):
         raise ValueError(f"pd_select_scan: sel must be {tuple(b.shape[:3] + (K,))} ([B, H, L, K]), "
                          f"got {tuple(sel.shape)}")
-    if not (math.isfinite(tau) and tau > 0):
+    if not isinstance(tau, torch.Tensor) and not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"pd_select_scan: tau must be a positive finite number, got {tau}")
     check_pd_inputs(torch.zeros((), dtype=torch.int16, device=b.device).expand(b.shape), D, b, x0,
                     check_values=False)
     if mask is not None and mask.shape != (b.shape[0], b.shape[2]):
         raise ValueError(f"pd_select_scan: mask must be [B, L] = {(b.shape[0], b.shape[2])}, got {tuple(mask.shape)}")
-    return _PDSelectScan.apply(M, sel, D, b, x0, float(tau), mask)
+    return _PDSelectScan.apply(M, sel, D, b, x0, tau if isinstance(tau, torch.Tensor) else float(tau), mask)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pd_transition.triton_fused import polar_parts
+from ..pd_transition.triton_fused import polar_parts, tau_in_memory
 
 GATES = {None: 0, "sigmoid": 1, "hard": 2, "decay": 3, "off": 4}
 
@@ -233,7 +233,7 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
                        bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict_ptr,
                        gproj_ptr, gu_ptr, lamre_ptr, lamim_ptr, dxre_ptr, dxim_ptr, kstar_ptr, gx0re_ptr, gx0im_ptr,
                        gc_ptr, gskip_ptr, gbw_ptr, gbias_ptr, fscr_ptr, iscr_ptr,
-                       L, H, W, su_b, su_l, sg_b, sg_l, inv_tau, snap_scale, phase_step,
+                       L, H, W, su_b, su_l, sg_b, sg_l, tau_ptr, snap_scale, phase_step,
                        K: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, T: tl.constexpr,
                        GATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_GLAST: tl.constexpr, SNAP: tl.constexpr,
@@ -368,6 +368,7 @@ def _middle_bwd_kernel(proj_ptr, u_ptr, gy_ptr, xsre_ptr, xsim_ptr, x0re_ptr, x0
             cim = tl.load(fscr + PLANE + j * BLOCK_N + m)
             r += tl.gather(lam_re, idx, 1) * cr[:, None] + tl.gather(lam_im, idx, 1) * cim[:, None]
         # the transition's backward: tempered softmax of the selector, polar and sigmoid derivatives
+        inv_tau = 1.0 / tl.load(tau_ptr)
         sel = sel * inv_tau
         s = tl.exp(sel - tl.max(sel, axis=1)[:, None])
         s = tl.where(kmask, s / tl.sum(s, axis=1)[:, None], 0.0)
@@ -440,7 +441,7 @@ BWD_CONFIG = {"chunk": 16, "num_warps": 4}
 
 
 def middle_bwd(proj, u, g_y, states, x0, g_last, Bw, C, D_skip, decay_bias, P_dict, gC, gskip, gBw, gbias,
-               tau: float, mask=None, b_gate=None, unit_snap: float = 0.0, phase_levels: int = 0,
+               tau, mask=None, b_gate=None, unit_snap: float = 0.0, phase_levels: int = 0,
                precision: str = "ieee", config: dict | None = None):
     """The backward of `middle_fwd` for one batch slice, per (sequence, head), chunks last-first:
     -> (dL/dproj [b, L, H, W] in proj's dtype, dL/du's skip and injection part [b, L, H*P] in u's dtype,
@@ -478,7 +479,7 @@ def middle_bwd(proj, u, g_y, states, x0, g_last, Bw, C, D_skip, decay_bias, P_di
         proj, u, g_y, states[0], states[1], x0[0].contiguous(), x0[1].contiguous(), glast[0].contiguous(),
         glast[1].contiguous(), mask_t, Bw, C, D_skip, decay_bias.contiguous(), P_dict.to(torch.int32).contiguous(),
         gproj, g_u, *lam, *dx, kstar, *gx0, gC, gskip, gBw if gBw is not None else gC, gbias, fscr, iscr,
-        L, H, W, u.stride(0), u.stride(1), g_y.stride(0), g_y.stride(1), 1.0 / float(tau), 1.0 + float(unit_snap),
+        L, H, W, u.stride(0), u.stride(1), g_y.stride(0), g_y.stride(1), tau_in_memory(tau, dev), 1.0 + float(unit_snap),
         step, K=K, N=N, P=P, BLOCK_K=triton.next_power_of_2(K), BLOCK_N=bn,
         BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=triton.next_power_of_2(extra) if extra else 0, T=T,
         GATE=GATES[b_gate], HAS_MASK=mask is not None, HAS_GLAST=g_last is not None, SNAP=bool(unit_snap),

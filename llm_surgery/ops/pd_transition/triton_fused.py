@@ -83,7 +83,7 @@ def _transition_fwd_kernel(proj_ptr, bias_ptr, mask_ptr, pdict_ptr, dre_ptr, dim
 
 @triton.jit
 def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr, gproj_ptr, gbias_ptr, L, H, W,
-                           inv_tau, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           tau_ptr, snap_scale, phase_step, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
                            HAS_MASK: tl.constexpr, SNAP: tl.constexpr, LEVELS: tl.constexpr):
     b, h, t, tmask, row, seq = _tokens(L, H, W, BLOCK_T)
@@ -91,6 +91,7 @@ def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr
     n = tl.arange(0, BLOCK_N)
     kvalid = tmask[:, None] & (k[None, :] < K)
     # selector: dL/dsel = s * (r - sum_k s r) / tau with s = softmax(sel / tau)
+    inv_tau = 1.0 / tl.load(tau_ptr)
     sel = tl.load(proj_ptr + row[:, None] + k[None, :], mask=kvalid, other=float("-inf")).to(tl.float32) * inv_tau
     s = tl.exp(sel - tl.max(sel, axis=1)[:, None])
     s = tl.where(kvalid, s / tl.sum(s, axis=1)[:, None], 0.0)
@@ -168,7 +169,15 @@ def transition_fwd_triton(proj, decay_bias, P_dict, K: int, N: int, mask=None, u
     return D_re, D_im, kstar, P
 
 
-def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int, N: int, mask=None,
+def tau_in_memory(tau, device) -> torch.Tensor:
+    """The straight-through temperature as the float32 scalar the backward kernels load: a tensor given (the
+    layer's `tau_held`, which a CUDA graph replays with its current value) as it is, a number as a new one."""
+    if isinstance(tau, torch.Tensor):
+        return tau if tau.dtype == torch.float32 and tau.device == device else tau.to(device, torch.float32)
+    return torch.full((), float(tau), dtype=torch.float32, device=device)
+
+
+def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau, K: int, N: int, mask=None,
                           unit_snap: float = 0.0, phase_levels: int = 0):
     """(dL/dproj [B,L,H,W] in proj's dtype, dL/d decay_bias in its dtype and shape) from dL/dD planes
     [B,H,L,N] and the selector's straight-through sums r [B,H,L,K]."""
@@ -182,7 +191,7 @@ def transition_bwd_triton(proj, decay_bias, gD_re, gD_im, r, tau: float, K: int,
         mask_t = mask.to(torch.int8).contiguous() if mask is not None else gbias
         scale, step, snap, levels = _drift_options(unit_snap, phase_levels)
         _transition_bwd_kernel[grid](proj, bias_c, mask_t, gD_re.contiguous(), gD_im.contiguous(), r.contiguous(),
-                                     gproj, gbias, L, H, W, 1.0 / float(tau), scale, step, K=K, N=N,
+                                     gproj, gbias, L, H, W, tau_in_memory(tau, proj.device), scale, step, K=K, N=N,
                                      BLOCK_K=block_k, BLOCK_N=block_n,
                                      BLOCK_E=triton.next_power_of_2(extra) if extra else 0, BLOCK_T=block_t,
                                      HAS_MASK=mask is not None, SNAP=snap, LEVELS=levels, num_warps=4)
