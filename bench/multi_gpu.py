@@ -79,13 +79,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# graphs: the trainer's default on CUDA (forward and backward replayed from CUDA graphs, its own gradient
+# all-reduce; llm_surgery/train/graphs.py); ddp: eager steps under DDP (--no-cuda-graphs); fsdp: FSDP2 (eager)
+MODES = ("graphs", "ddp", "fsdp")
+
+
 def parse_run(spec: str, batch: int | None = None) -> tuple[str, int, int | None]:
     """'fsdp:8@32' -> ('fsdp', 8, 32); without @B the batch is `batch` (None: the recipe's)."""
     head, _, b = spec.strip().partition("@")
     mode, _, n = head.partition(":")
-    if mode not in ("ddp", "fsdp") or not n.isdigit() or int(n) < 1 or (mode == "fsdp" and int(n) < 2) or (
+    if mode not in MODES or not n.isdigit() or int(n) < 1 or (mode == "fsdp" and int(n) < 2) or (
             b and (not b.isdigit() or int(b) < 1)):
-        raise SystemExit(f"--runs: {spec!r} is not ddp:N[@B] or fsdp:N[@B] (N >= 2 for fsdp, B >= 1)")
+        raise SystemExit(f"--runs: {spec!r} is not MODE:N[@B] with MODE one of {MODES} (N >= 2 for fsdp, B >= 1)")
     return mode, int(n), int(b) if b else batch
 
 
@@ -145,7 +150,8 @@ def start(args, n: int, host: Path, out: Path, mode: str = "ddp", batch: int | N
            "--output-dir", str(out), "--overwrite",  # a rerun into the same --out replaces this script's runs
            "--max-eval-examples", str(args.max_eval_examples), "--no-progress", "--no-eval-host", "--no-plot",
            "--quick-autotune", "--profile-steps", str(args.profile_steps),
-           *(["--batch-size", str(batch)] if batch else []), *(["--fsdp"] if mode == "fsdp" else []), *args.extra]
+           *(["--batch-size", str(batch)] if batch else []), *(["--fsdp"] if mode == "fsdp" else []),
+           *(["--no-cuda-graphs"] if mode == "ddp" else []), *args.extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if args.cpu:
@@ -218,14 +224,16 @@ def prebuild_kernels() -> str:
     return f"pd_scan CUDA kernels {'ready' if ok else 'FAILED: ' + str(cuda.load_error())} in {time.time() - t0:.0f}s"
 
 
-def _base(runs: list[dict], batch) -> float | None:
+def _base(runs: list[dict], batch, mode: str) -> float | None:
+    """Total tokens/s of the 1-process run at the same batch and of the same mode (FSDP2's: eager DDP's)."""
+    mode = "ddp" if mode == "fsdp" else mode
     return next((r["throughput"]["tokens_per_s_total"] for r in runs if r["num_processes"] == 1 and
-                 r.get("batch_size") == batch and "throughput" in r), None)
+                 r.get("mode", "ddp") == mode and r.get("batch_size") == batch and "throughput" in r), None)
 
 
 def table(runs: list[dict], unit: str) -> str:
-    """Markdown: tokens/s per process (mean), total, scaling efficiency against the 1-process DDP run at the same
-    batch, memory; which runs ran side by side (wave)."""
+    """Markdown: tokens/s per process (mean), total, scaling efficiency against the 1-process run of the same mode
+    at the same batch (FSDP2: eager DDP's), memory; which runs ran side by side (wave)."""
     lines = [f"| processes | mode | batch per {unit} | tokens/s per {unit} | total tokens/s | scaling efficiency | "
              f"peak memory per {unit} (GiB) | timed steps | wave | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -235,7 +243,7 @@ def table(runs: list[dict], unit: str) -> str:
             lines.append(f"| {n} | {mode} | {b} | {r['rc']} | | | | | {r.get('wave', '')} | "
                          f"{r.get('wall_seconds', 0):.0f} |")
             continue
-        t, base = r["throughput"], _base(runs, r.get("batch_size"))
+        t, base = r["throughput"], _base(runs, r.get("batch_size"), r.get("mode", "ddp"))
         per = t["tokens_per_s_by_process"]
         eff = f"{100 * t['tokens_per_s_total'] / (n * base):.0f}%" if base else "-"
         mem = t.get("peak_memory_gib_by_process")
@@ -274,7 +282,7 @@ def breakdown_table(runs: list[dict]) -> str:
              "host issue ms | evaluation s |", "| --- " * (len(cols) + 8) + "|"]
     for r in rows:
         p = r["step_profile"]
-        one = next((q["step_profile"] for q in rows if q["num_processes"] == 1 and
+        one = next((q["step_profile"] for q in rows if q["num_processes"] == 1 and q["mode"] == r["mode"] and
                     q.get("batch_size") == r.get("batch_size")), None)
         extra = f"{p['phases_ms']['backward'] - one['phases_ms']['backward']:+.1f}" if one else "-"
         lines.append(f"| {r['num_processes']} | {r['mode'].upper()} | {r.get('batch_size') or 'recipe'} | "

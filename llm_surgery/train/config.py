@@ -21,7 +21,7 @@ HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAY_CHANGE_ON_RESUME = ("output_dir", "resume", "overwrite", "progress", "tensorboard", "plot", "log_every",
                         "eval_every", "save_every", "keep_last", "eval_batch_size", "cache_dir", "quick_autotune",
                         "host_kernels", "gradient_checkpointing", "memory_check", "num_workers", "profile_steps",
-                        "ddp_bucket_mb")
+                        "ddp_bucket_mb", "cuda_graphs")
 
 
 class UsageError(ValueError):
@@ -107,6 +107,10 @@ class TrainConfig:
     host_kernels: bool = field(default=True, metadata={
         "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "
                 "transformers' torch reference; llm_surgery/host_kernels.py)"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "CUDA: replay each micro-batch's forward and backward from CUDA graphs (one per padded batch shape; "
+                "llm_surgery/train/graphs.py); off by itself under --fsdp, --gradient-checkpointing, fp16 and hosts "
+                "with routed experts"})
 
     # evaluation, logging, checkpoints
     output_dir: str = "runs/latest"

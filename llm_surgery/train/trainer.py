@@ -9,7 +9,8 @@ checkpoints and `final/` stay finite (tracked on the device: no step waits for t
 the evaluation, so a failing evaluation loses no training.
 
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
-launcher changes. The loss is computed on the completion tokens only (left padding puts them at the end of
+launcher changes. On CUDA each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`;
+gradients then averaged by its own all-reduce instead of DDP's) unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left padding puts them at the end of
 every row, so the LM head runs on those positions alone).
 """
 
@@ -201,6 +202,7 @@ class _Run:
     total_steps: int
     optimizer: Any
     scheduler: Any
+    graphed: Any = None  # graphs.GraphedLoss when steps replay from CUDA graphs, else None
     host_alone: dict | None = None
     start_step: int = 0
     metrics: MetricsLog | None = None  # the main process's alone
@@ -224,15 +226,29 @@ class _Run:
 
 def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
     """Model, data and optimisation, prepared by Accelerate; then the start (fresh or resumed) and the meters."""
+    from . import graphs
+
     model, tokenizer, host_desc, sizes = _build_model(cfg, accelerator, log)
-    train_data, sampler, collate, total_steps, val_set, test_set = _build_data(cfg, accelerator, tokenizer,
-                                                                               run["splits"], log)
+    why_not = graphs.refusal(cfg, accelerator, model)
+    log(f"CUDA graphs: {'on' if why_not is None else f'off ({why_not})'}")
+    train_data, sampler, collate, total_steps, val_set, test_set = _build_data(
+        cfg, accelerator, tokenizer, run["splits"], log, 8 if why_not else graphs.LENGTH_MULTIPLE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    graphed = None
+    if why_not is None:  # the model stays unwrapped: the graphs' own all-reduce replaces DDP's (graphs.py)
+        optimizer = accelerator.prepare(optimizer)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if accelerator.num_processes > 1:  # what DDP's construction would do: every rank starts from rank 0's
+            import torch.distributed as dist
+            for p in trainable:
+                dist.broadcast(p.data, 0)
+        graphed = graphs.GraphedLoss(model, trainable, cfg.grad_accum, accelerator.mixed_precision)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
-             val_set, test_set, total_steps, optimizer, scheduler)
+             val_set, test_set, total_steps, optimizer, scheduler, graphed)
     _start(r, run["resume_path"])
     _start_meters(r)
     return r
@@ -269,15 +285,15 @@ def _build_model(cfg: TrainConfig, accelerator, log):
     return model, tokenizer, host_desc, {"inserted": n_inserted, "total": n_total, "trainable": n_trainable}
 
 
-def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log):
-    """The training data with its sharded, resumable sampler; the run's length in optimizer steps; the evaluation
-    sets (sharded loaders)."""
+def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad_to_multiple_of: int):
+    """The training data with its sharded, resumable sampler (batches padded to a multiple of
+    `pad_to_multiple_of` tokens); the run's length in optimizer steps; the evaluation sets (sharded loaders)."""
     from llm_surgery.box_data import BoxCollator
 
     train_data = TokenizedBox(tokenizer, splits["train"])
     sampler = ShardedBatchSampler(len(train_data), cfg.batch_size, accelerator.process_index,
                                   accelerator.num_processes, cfg.seed)
-    collate = BoxCollator(tokenizer, padding_side="left", pad_to_multiple_of=8)
+    collate = BoxCollator(tokenizer, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
     steps_per_epoch = max(1, sampler.batches_per_epoch // cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     val_set = EvalSet(accelerator, tokenizer, "validation", cap_records(splits["validation"], cfg.max_eval_examples),
@@ -378,19 +394,25 @@ def _step(r: _Run, step: int):
 
         set_tau(acc.unwrap_model(r.model), tau)
     loss_sum, step_tokens = torch.zeros((), device=acc.device), 0
+    if r.graphed is not None:
+        r.graphed.zero_grad()
     for micro in range(cfg.grad_accum):
         last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last else acc.no_sync(r.model):
+        with contextlib.nullcontext() if last or r.graphed is not None else acc.no_sync(r.model):
             loss, n_tok = _micro_step(r)
         loss_sum += loss.detach() / cfg.grad_accum
         step_tokens += n_tok
+    if r.graphed is not None and acc.num_processes > 1:
+        with r.profile.phase("backward"):  # where DDP's all-reduce wait is counted
+            r.graphed.all_reduce(acc.num_processes)
     r.window_tokens += step_tokens
     with r.profile.phase("optimizer"):
         grad_norm = acc.clip_grad_norm_(r.params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
         r.health.record(loss_sum, grad_norm)  # on the device: no wait here
         r.optimizer.step()
         r.scheduler.step()
-        r.optimizer.zero_grad(set_to_none=True)
+        if r.graphed is None:  # the graphs' gradients stay in their buffers, cleared before the next step
+            r.optimizer.zero_grad(set_to_none=True)
     r.meter.step_done(step_tokens)
     return tau, grad_norm
 
@@ -404,6 +426,9 @@ def _micro_step(r: _Run):
         batch = {k: v.to(acc.device, non_blocking=True) for k, v in cpu.items()}
         # 0/1 by construction: as bool the surgery skips its value check (a host sync every forward)
         batch["attention_mask"] = batch["attention_mask"].bool()
+    if r.graphed is not None:
+        with r.profile.phase("forward"):  # forward and backward: one graph
+            return r.graphed(batch, span), n_tok
     with r.profile.phase("forward"), acc.autocast():
         logits, labels = completion_loss_inputs(r.model, batch, span)
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)

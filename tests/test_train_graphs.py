@@ -1,0 +1,118 @@
+"""The trainer's CUDA-graph path (llm_surgery/train/graphs.py): when it is used, the gradient buffers it trains
+through, the temperature it reads from memory, and (on a GPU) a graphed run that trains like an eager one."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llm_surgery.train.config import TrainConfig
+from llm_surgery.train.graphs import _flat_grads, refusal
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def _acc(device="cuda", precision="bf16"):
+    return SimpleNamespace(device=torch.device(device), mixed_precision=precision)
+
+
+def _model(**config):
+    return SimpleNamespace(config=SimpleNamespace(**config))
+
+
+@pytest.mark.parametrize("cfg, acc, model, reason", [
+    (TrainConfig(), _acc(), _model(num_local_experts=0), None),
+    (TrainConfig(cuda_graphs=False), _acc(), _model(), "--no-cuda-graphs"),
+    (TrainConfig(), _acc("cpu", "no"), _model(), "not on CUDA"),
+    (TrainConfig(fsdp=True), _acc(), _model(), "FSDP2"),
+    (TrainConfig(gradient_checkpointing=True), _acc(), _model(), "--gradient-checkpointing"),
+    (TrainConfig(), _acc(precision="fp16"), _model(), "fp16"),
+    (TrainConfig(), _acc(), _model(num_local_experts=64), "experts"),
+    (TrainConfig(), _acc(), _model(n_routed_experts=8), "experts"),
+])
+def test_graphs_are_used_unless_the_run_rules_them_out(cfg, acc, model, reason):
+    got = refusal(cfg, acc, model)
+    assert got is None if reason is None else reason in got
+
+
+def test_gradients_accumulate_into_one_buffer_per_dtype():
+    """Every trainable tensor's .grad is a slice of its dtype's buffer: backward adds into it (micro-batches
+    accumulate), clearing the buffer clears them all, and the optimizer reads the same memory."""
+    real = torch.nn.Parameter(torch.randn(3, 4))
+    vec = torch.nn.Parameter(torch.randn(5))
+    cplx = torch.nn.Parameter(torch.randn(2, dtype=torch.complex64))
+    buffers = _flat_grads([real, vec, cplx])
+    assert [b.dtype for b in buffers] == [torch.float32, torch.complex64] and buffers[0].numel() == 17
+    loss = lambda: (real.sum(0) ** 2).sum() + (vec * 2).sum() + (cplx.abs() ** 2).sum()  # noqa: E731
+    loss().backward()
+    first = [real.grad.clone(), vec.grad.clone(), cplx.grad.clone()]
+    loss().backward()
+    assert all(torch.allclose(g, 2 * f) for g, f in zip((real.grad, vec.grad, cplx.grad), first))
+    assert real.grad.data_ptr() == buffers[0].data_ptr()
+    torch.optim.AdamW([real, vec, cplx], lr=0.1, foreach=True).step()
+    for b in buffers:
+        b.zero_()
+    assert not real.grad.any() and not vec.grad.any() and not cplx.grad.any()
+
+
+def test_temperature_is_rewritten_in_place_and_read_from_memory():
+    """FlashPDSSM.tau_held: the same tensor before and after `tau = ...` (a captured graph holds its address) with
+    the new value; the straight-through gradients through it equal those with tau as a number."""
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+    from llm_surgery.ops.pd_select import pd_select_scan
+
+    layer = FlashPDSSM(16, num_heads=2, state_size=4, dict_size=3, backend="torch")
+    held = layer.tau_held(torch.device("cpu"))
+    layer.tau = 0.25
+    assert layer.tau_held(torch.device("cpu")) is held and held.item() == 0.25
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(2, 3, 4, 4, generator=g, requires_grad=True)
+    sel = torch.randn(1, 2, 6, 3, generator=g, requires_grad=True)
+    D = torch.rand(1, 2, 6, 4, generator=g)
+    b = torch.randn(1, 2, 6, 4, generator=g)
+    grads = []
+    for tau in (0.25, held):
+        M.grad = sel.grad = None
+        pd_select_scan(M, sel, D, b, tau=tau).pow(2).sum().backward()
+        grads.append((M.grad.clone(), sel.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    layer.tau = 1.0
+    M.grad = sel.grad = None
+    pd_select_scan(M, sel, D, b, tau=held).pow(2).sum().backward()
+    assert not torch.equal(M.grad, grads[0][0])  # the new temperature is the one read
+
+
+@pytest.fixture(scope="module")
+def tiny_host_dir(tmp_path_factory):
+    from llm_surgery.box_data import build_box_tokenizer
+    from llm_surgery.hosts import build_tiny_host
+
+    path = tmp_path_factory.mktemp("host")
+    tok = build_box_tokenizer()
+    build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=len(tok), pattern="M*M*",
+                    mamba_chunk_size=64).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["pdssm", "mamba2"])
+def test_graphed_run_trains_like_an_eager_run(tmp_path, tiny_host_dir, kind):
+    """The same run (annealed tau, 2 micro-batches a step) with and without --cuda-graphs on a tiny host: the same
+    loss at every step within float noise, graphs on in the log."""
+    from llm_surgery.train import run
+
+    if kind == "mamba2":
+        pytest.importorskip("mamba_ssm")
+    losses = {}
+    for graphs in (True, False):
+        out = tmp_path / f"g{graphs}"
+        run(["--model", str(tiny_host_dir), "--kind", kind, "--n", "2", "--max-steps", "12", "--batch-size", "8",
+             "--grad-accum", "2", "--num-sequences", "200", "--max-eval-examples", "32", "--log-every", "1",
+             "--tau", "1.0", "--tau-end", "0.2", "--lr", "3e-3", "--no-progress", "--no-plot", "--no-tensorboard",
+             "--save-every", "0", "--output-dir", str(out), *([] if graphs else ["--no-cuda-graphs"])])
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[graphs] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses[True]) == 12
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
