@@ -10,9 +10,10 @@ backward is one graph per batch shape (`llm_surgery.cuda_graphs`), and so that a
   tokenizer) that is 3 shapes, two of them 97% of the batches, for 9% more tokens than padding to 8;
 - gradients accumulate into one flat buffer per dtype that the trainable tensors' `.grad` view: the graph's
   backward adds into them, `zero_grad` clears them before a step, and with several processes `all_reduce`
-  averages them, one call per buffer. DDP is not used: its reducer starts from its own forward, which a graph
-  cannot run. Nothing overlaps the backward then, but at 135 M trainable parameters the one all-reduce is a
-  few milliseconds on NVLink;
+  averages them, one call per buffer. The steps call the model inside the DDP wrapper, whose reducer then stays
+  idle (it only syncs backwards that follow its own forward, which a graph cannot replay; DDP still gives every
+  rank rank 0's weights and runs the evaluations). Nothing overlaps the backward then, but at 135 M trainable
+  parameters the one all-reduce is a few milliseconds on NVLink;
 - the straight-through temperature is read from device memory (`FlashPDSSM.tau_held`), so annealing works.
 """
 

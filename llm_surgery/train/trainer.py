@@ -235,17 +235,11 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
         cfg, accelerator, tokenizer, run["splits"], log, 8 if why_not else graphs.LENGTH_MULTIPLE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
+    model, optimizer = accelerator.prepare(model, optimizer)
     graphed = None
-    if why_not is None:  # the model stays unwrapped: the graphs' own all-reduce replaces DDP's (graphs.py)
-        optimizer = accelerator.prepare(optimizer)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if accelerator.num_processes > 1:  # what DDP's construction would do: every rank starts from rank 0's
-            import torch.distributed as dist
-            for p in trainable:
-                dist.broadcast(p.data, 0)
-        graphed = graphs.GraphedLoss(model, trainable, cfg.grad_accum, accelerator.mixed_precision)
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
+    if why_not is None:  # steps bypass the DDP wrapper (its reducer stays idle): graphs.py averages the gradients
+        graphed = graphs.GraphedLoss(accelerator.unwrap_model(model), [p for p in model.parameters() if p.requires_grad],
+                                     cfg.grad_accum, accelerator.mixed_precision)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
              val_set, test_set, total_steps, optimizer, scheduler, graphed)
