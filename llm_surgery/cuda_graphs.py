@@ -70,7 +70,9 @@ class GraphedByShape:
         static = tuple(t.clone() for t in tensors)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: other threads' CUDA calls are not this capture's (a DataLoader's pin-memory thread
+        # allocating pinned memory broke a global-mode capture of the trainer's step)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             out = self.body(*static)
         self.pool = graph.pool() if self.pool is None else self.pool
         return graph, static, out
