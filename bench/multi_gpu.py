@@ -79,8 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# graphs: the trainer's default on CUDA (forward and backward replayed from CUDA graphs, its own gradient
-# all-reduce; llm_surgery/train/graphs.py); ddp: eager steps under DDP (--no-cuda-graphs); fsdp: FSDP2 (eager)
+# graphs: the trainer's default (one process: forward and backward replayed from CUDA graphs,
+# llm_surgery/train/graphs.py; several: eager DDP, as graphs.py says why); ddp: eager steps (--no-cuda-graphs),
+# under DDP with several processes; fsdp: FSDP2 (eager)
 MODES = ("graphs", "ddp", "fsdp")
 
 

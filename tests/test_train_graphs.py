@@ -13,8 +13,8 @@ from llm_surgery.train.graphs import _flat_grads, refusal
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def _acc(device="cuda", precision="bf16"):
-    return SimpleNamespace(device=torch.device(device), mixed_precision=precision)
+def _acc(device="cuda", precision="bf16", processes=1):
+    return SimpleNamespace(device=torch.device(device), mixed_precision=precision, num_processes=processes)
 
 
 def _model(**config):
@@ -28,6 +28,7 @@ def _model(**config):
     (TrainConfig(fsdp=True), _acc(), _model(), "FSDP2"),
     (TrainConfig(gradient_checkpointing=True), _acc(), _model(), "--gradient-checkpointing"),
     (TrainConfig(), _acc(precision="fp16"), _model(), "fp16"),
+    (TrainConfig(), _acc(processes=2), _model(), "several processes"),
     (TrainConfig(), _acc(), _model(num_local_experts=64), "experts"),
     (TrainConfig(), _acc(), _model(n_routed_experts=8), "experts"),
 ])

@@ -108,9 +108,9 @@ class TrainConfig:
         "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "
                 "transformers' torch reference; llm_surgery/host_kernels.py)"})
     cuda_graphs: bool = field(default=True, metadata={
-        "help": "CUDA: replay each micro-batch's forward and backward from CUDA graphs (one per padded batch shape; "
-                "llm_surgery/train/graphs.py); off by itself under --fsdp, --gradient-checkpointing, fp16 and hosts "
-                "with routed experts"})
+        "help": "one GPU: replay each micro-batch's forward and backward from CUDA graphs (one per padded batch "
+                "shape; llm_surgery/train/graphs.py); off by itself with several processes, --fsdp, "
+                "--gradient-checkpointing, fp16 and hosts with routed experts"})
 
     # evaluation, logging, checkpoints
     output_dir: str = "runs/latest"

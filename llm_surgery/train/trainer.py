@@ -9,8 +9,8 @@ checkpoints and `final/` stay finite (tracked on the device: no step waits for t
 the evaluation, so a failing evaluation loses no training.
 
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
-launcher changes. On CUDA each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`;
-gradients then averaged by its own all-reduce instead of DDP's) unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left padding puts them at the end of
+launcher changes. On one GPU each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`)
+unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left padding puts them at the end of
 every row, so the LM head runs on those positions alone).
 """
 
@@ -237,7 +237,7 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
     graphed = None
-    if why_not is None:  # steps bypass the DDP wrapper (its reducer stays idle): graphs.py averages the gradients
+    if why_not is None:  # one process: no DDP; the graphs call the model under Accelerate's autocast wrapper
         graphed = graphs.GraphedLoss(accelerator.unwrap_model(model), [p for p in model.parameters() if p.requires_grad],
                                      cfg.grad_accum, accelerator.mixed_precision)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
@@ -392,13 +392,10 @@ def _step(r: _Run, step: int):
         r.graphed.zero_grad()
     for micro in range(cfg.grad_accum):
         last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last or r.graphed is not None else acc.no_sync(r.model):
+        with contextlib.nullcontext() if last else acc.no_sync(r.model):
             loss, n_tok = _micro_step(r)
         loss_sum += loss.detach() / cfg.grad_accum
         step_tokens += n_tok
-    if r.graphed is not None and acc.num_processes > 1:
-        with r.profile.phase("backward"):  # where DDP's all-reduce wait is counted
-            r.graphed.all_reduce(acc.num_processes)
     r.window_tokens += step_tokens
     with r.profile.phase("optimizer"):
         grad_norm = acc.clip_grad_norm_(r.params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
