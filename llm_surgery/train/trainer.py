@@ -10,8 +10,8 @@ the evaluation, so a failing evaluation loses no training.
 
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
 launcher changes. On one GPU each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`)
-unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left padding puts them at the end of
-every row, so the LM head runs on those positions alone).
+unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left
+padding puts them at the end of every row, so the LM head runs on those positions alone).
 """
 
 from __future__ import annotations
@@ -238,8 +238,9 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     graphed = None
     if why_not is None:  # one process: no DDP; the graphs call the model under Accelerate's autocast wrapper
-        graphed = graphs.GraphedLoss(accelerator.unwrap_model(model), [p for p in model.parameters() if p.requires_grad],
-                                     cfg.grad_accum, accelerator.mixed_precision)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        graphed = graphs.GraphedLoss(accelerator.unwrap_model(model), trainable, cfg.grad_accum,
+                                     accelerator.mixed_precision)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
              val_set, test_set, total_steps, optimizer, scheduler, graphed)
