@@ -83,6 +83,32 @@ def test_schedule_shapes():
 
 # ---------------------------------------------------------------- data order
 
+def test_dictionary_logits_train_at_their_own_learning_rate():
+    """--dictionary-lr-scale: Flash PD-SSM's dictionary logits form their own optimizer group at that multiple of the
+    learning rate, which the schedule scales like the others; every trainable tensor is in exactly one group."""
+    from llm_surgery.hosts import build_tiny_host
+    from llm_surgery.insert import insert_layers
+    from llm_surgery.train.setup import mark_trainable
+    from llm_surgery.train.trainer import build_optimizer
+
+    model = insert_layers(build_tiny_host("granite", seed=0), "pdssm", 2)
+    mark_trainable(model)
+    opt = build_optimizer(model, TrainConfig(lr=1e-3, dictionary_lr_scale=0.1))
+    dictionaries = {id(p) for n, p in model.named_parameters() if n.endswith(".dictionary")}
+    assert len(dictionaries) == 2
+    for group in opt.param_groups:
+        ids = {id(p) for p in group["params"]}
+        assert ids <= dictionaries or not ids & dictionaries
+        assert group["lr"] == pytest.approx(1e-4 if ids <= dictionaries else 1e-3)
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    sched = build_scheduler(opt, 10, 0.5, "constant")
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    assert sorted(g["lr"] for g in opt.param_groups)[0] == pytest.approx(1e-4)
+
+
 def test_sampler_shards_and_resumes():
     n, bs, world = 50, 4, 2
     seqs = []

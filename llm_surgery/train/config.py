@@ -72,6 +72,9 @@ class TrainConfig:
 
     # optimisation
     lr: float = 3e-4
+    dictionary_lr_scale: float = field(default=1.0, metadata={
+        "help": "Flash PD-SSM's dictionary logits train at this multiple of --lr (its selection of transitions can "
+                "drift from where it started faster than the rest learns)"})
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -179,7 +182,7 @@ class TrainConfig:
         for name in ("max_steps", "max_eval_examples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1 (or none), got {getattr(self, name)}")
-        for name in ("lr", "pretrain_lr", "adam_eps", "epochs", "lora_alpha"):
+        for name in ("lr", "pretrain_lr", "adam_eps", "epochs", "lora_alpha", "dictionary_lr_scale"):
             number(name, 0, low_open=True)
         number("tau", 0, low_open=True, none_ok=True)
         number("tau_end", 0, low_open=True, none_ok=True)

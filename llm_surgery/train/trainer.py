@@ -48,17 +48,21 @@ class TrainingDiverged(RuntimeError):
 # ---------------------------------------------------------------- optimizer
 
 def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars).
-    Real tensors take the fused kernel (one launch for all of them instead of a few per tensor group); complex
-    ones, which it does not take, the multi-tensor one."""
+    """AdamW; weight decay on matrices (and complex weights), none on vectors (norms, biases, per-head scalars);
+    Flash PD-SSM's dictionary logits in a group of their own at `dictionary_lr_scale` x lr. Real tensors take the
+    fused kernel (one launch for all of them instead of a few per tensor group); complex ones, which it does not
+    take, the multi-tensor one."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = []
-    for decay in (True, False):
-        for complex_ in (False, True):
-            params = [p for p in model.parameters()
-                      if p.requires_grad and (p.dim() >= 2) == decay and p.is_complex() == complex_]
-            if params:
-                groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
-                               **({"foreach": True} if complex_ else {"fused": True})})
+    for dictionary in (False, True):
+        for decay in (True, False):
+            for complex_ in (False, True):
+                params = [p for n, p in trainable if n.endswith(".dictionary") == dictionary
+                          and (p.dim() >= 2) == decay and p.is_complex() == complex_]
+                if params:
+                    groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
+                                   "lr": cfg.lr * (cfg.dictionary_lr_scale if dictionary else 1.0),
+                                   **({"foreach": True} if complex_ else {"fused": True})})
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
