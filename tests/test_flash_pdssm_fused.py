@@ -104,7 +104,9 @@ INTERPRETED = [
 @pytest.mark.parametrize("one_kernel,sizes,cases", INTERPRETED)
 def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
     """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences)."""
-    pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):  # e.g. a GPU image's 3.6: its CUDA tests
+        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
     code = textwrap.dedent("""
         import json, sys, torch
         sys.path.insert(0, {tests!r})
