@@ -52,18 +52,16 @@ def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
     Flash PD-SSM's dictionary logits in a group of their own at `dictionary_lr_scale` x lr. Real tensors take the
     fused kernel (one launch for all of them instead of a few per tensor group); complex ones, which it does not
     take, the multi-tensor one."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = []
-    for dictionary in (False, True):
-        for decay in (True, False):
-            for complex_ in (False, True):
-                params = [p for n, p in trainable if n.endswith(".dictionary") == dictionary
-                          and (p.dim() >= 2) == decay and p.is_complex() == complex_]
-                if params:
-                    groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
-                                   "lr": cfg.lr * (cfg.dictionary_lr_scale if dictionary else 1.0),
-                                   **({"foreach": True} if complex_ else {"fused": True})})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    groups: dict[tuple[bool, bool, bool], list] = {}   # (dictionary, vector, complex) -> tensors, in model order
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((name.endswith(".dictionary"), p.dim() < 2, p.is_complex()), []).append(p)
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": 0.0 if vector else cfg.weight_decay,
+          "lr": cfg.lr * (cfg.dictionary_lr_scale if dictionary else 1.0),
+          **({"foreach": True} if complex_ else {"fused": True})}
+         for (dictionary, vector, complex_), params in sorted(groups.items(), key=lambda kv: kv[0])],
+        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 # ---------------------------------------------------------------- checks before work
