@@ -32,10 +32,6 @@ class GraphedByShape:
         self.failed: str | None = None  # why a capture failed
         self.stream = torch.cuda.Stream()
 
-    @property
-    def captured(self) -> int:
-        return len(self.graphs)
-
     def _on_stream(self, fn):
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)

@@ -5,8 +5,9 @@ load into each other.
 On CUDA (when `fla` imports) fla's own `DeltaNet` layer runs on this module's parameters; a call that continues
 or returns a state (prefill and one-token decode in generation) runs fla's pieces: its short convolutions with
 their cache (one token: causal-conv1d's in-place update, where it imports, on the mixer's own conv state) and its
-delta-rule kernels (fused-recurrent up to 64 tokens, chunked beyond). Anywhere else an exact chunked (WY-form) torch scan computes the same function. The final
-projection is `o_proj` (fla's name); `out_proj` (the mixer contract) is an alias.
+delta-rule kernels (fused-recurrent up to 64 tokens, chunked beyond). Anywhere else an exact chunked (WY-form)
+torch scan computes the same function. The final projection is `o_proj` (fla's name); `out_proj` (the mixer
+contract) is an alias.
 """
 
 from __future__ import annotations
