@@ -25,6 +25,10 @@ def _seed():
     torch.manual_seed(0)  # the inserted mixers' initial weights come from the global generator
 
 
+# the hosts' in_proj rows a multiple of 8, which causal-conv1d's channel-last kernel needs (the CUDA tests)
+EIGHT_MAMBA_HEADS = {"granite": {"mamba_n_heads": 8}, "nemotron": {"mamba_num_heads": 8}}
+
+
 @pytest.fixture(scope="module")
 def host_dirs(tmp_path_factory):
     """Each tiny host saved once with save_pretrained (what a user's local checkpoint looks like)."""
@@ -717,9 +721,7 @@ def test_cuda_matches_cpu_and_generates(arch, kind):
     from llm_surgery.host_kernels import keep_cpu_convolutions_in_torch
 
     keep_cpu_convolutions_in_torch()  # with causal-conv1d installed, the hosts' CPU reference needs it
-    # 8 Mamba heads: the hosts' in_proj rows a multiple of 8, which causal-conv1d's channel-last kernel needs
-    heads = {"granite": {"mamba_n_heads": 8}, "nemotron": {"mamba_num_heads": 8}}[arch]
-    model = build_tiny_host(arch, seed=1, **heads)
+    model = build_tiny_host(arch, seed=1, **EIGHT_MAMBA_HEADS[arch])
     insert_layers(model, kind, n_attention(model))
     perturb(model)
     x = ids(2, 12)
@@ -777,10 +779,15 @@ def _rel(a, b):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["mamba2", "deltanet"])
-def test_cuda_trained_layers_move_to_cpu_and_back(host_dirs, tmp_path, kind):
+def test_cuda_trained_layers_move_to_cpu_and_back(tmp_path, kind):
     """Layers trained in bf16 on the GPU (mamba-ssm's / fla's layers) load, decode and keep training on the CPU
     (the torch path) and back again: one state dict, the same function within bf16 tolerance."""
-    gpu = insert_layers(load_host(host_dirs, "granite", torch.bfloat16).cuda(), kind, 2)
+    from llm_surgery.host_kernels import keep_cpu_convolutions_in_torch
+
+    keep_cpu_convolutions_in_torch()  # with causal-conv1d installed, the host's CPU reference needs it
+    build_tiny_host("granite", seed=1, **EIGHT_MAMBA_HEADS["granite"]).save_pretrained(tmp_path / "host")
+    hosts = {"granite": tmp_path / "host"}
+    gpu = insert_layers(load_host(hosts, "granite", torch.bfloat16).cuda(), kind, 2)
     perturb(gpu, std=0.5)
     _train(gpu, "cuda", 2)
     x = ids(2, 12)
@@ -788,7 +795,7 @@ def test_cuda_trained_layers_move_to_cpu_and_back(host_dirs, tmp_path, kind):
         ref = gpu(x.cuda(), use_cache=False).logits
     save_inserted(gpu, tmp_path / "gpu")
 
-    cpu = load_inserted(load_host(host_dirs, "granite"), tmp_path / "gpu")
+    cpu = load_inserted(load_host(hosts, "granite"), tmp_path / "gpu")
     with torch.no_grad():
         out = cpu(x, use_cache=False).logits
     assert _rel(out, ref) < 5e-2
@@ -799,7 +806,7 @@ def test_cuda_trained_layers_move_to_cpu_and_back(host_dirs, tmp_path, kind):
         out = cpu(x, use_cache=False).logits
     save_inserted(cpu, tmp_path / "cpu")
 
-    back = load_inserted(load_host(host_dirs, "granite", torch.bfloat16), tmp_path / "cpu").cuda()
+    back = load_inserted(load_host(hosts, "granite", torch.bfloat16), tmp_path / "cpu").cuda()
     xg = x.cuda()
     with torch.no_grad():
         full = back(xg, use_cache=False).logits

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from llm_surgery.train.config import TrainConfig
-from llm_surgery.train.graphs import _flat_grads, refusal
+from llm_surgery.train.graphs import LENGTH_MULTIPLE, SPAN_MULTIPLE, _flat_grads, refusal, run_shapes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 def _acc(device="cuda", precision="bf16", processes=1):
@@ -28,13 +29,40 @@ def _model(**config):
     (TrainConfig(fsdp=True), _acc(), _model(), "FSDP2"),
     (TrainConfig(gradient_checkpointing=True), _acc(), _model(), "--gradient-checkpointing"),
     (TrainConfig(), _acc(precision="fp16"), _model(), "fp16"),
-    (TrainConfig(), _acc(processes=2), _model(), "several processes"),
+    (TrainConfig(), _acc(processes=2), _model(), None),  # several GPUs: the graphs' own all-reduce
     (TrainConfig(), _acc(), _model(num_local_experts=64), "experts"),
     (TrainConfig(), _acc(), _model(n_routed_experts=8), "experts"),
 ])
 def test_graphs_are_used_unless_the_run_rules_them_out(cfg, acc, model, reason):
     got = refusal(cfg, acc, model)
     assert got is None if reason is None else reason in got
+
+
+def test_shapes_captured_up_front_are_those_the_loader_gives():
+    """run_shapes predicts, from a resumed position across an epoch's end, the (batch, length, span) of every
+    micro-batch the trainer's loader collates, with their counts; `ahead` does not move the sampler."""
+    from collections import Counter
+
+    from llm_surgery.box_data import BoxCollator, build_box_tokenizer
+    from llm_surgery.train.data import ShardedBatchSampler, TokenizedBox, make_splits
+    from llm_surgery.train.evaluate import completion_span
+
+    tok = build_box_tokenizer()
+    data = TokenizedBox(tok, make_splits(60, 0, 6, 6)["train"])
+    sampler = ShardedBatchSampler(len(data), 4, 1, 2, seed=3)
+    done, count = sampler.batches_per_epoch - 3, 9  # into the next epoch
+    sampler.set_position(done)
+    predicted = run_shapes(sampler, data, done, count)
+    assert sampler.position() == {"epoch": 0, "batch_in_epoch": done}
+    collate = BoxCollator(tok, padding_side="left", pad_to_multiple_of=LENGTH_MULTIPLE)
+    loader = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=collate))
+    seen = Counter()
+    for _ in range(count):
+        b = next(loader)
+        length = b["input_ids"].shape[1]
+        seen[len(b["input_ids"]), length, min(length, -(-completion_span(b["labels"]) // SPAN_MULTIPLE) *
+                                              SPAN_MULTIPLE)] += 1
+    assert predicted == seen and sum(seen.values()) == count and len(seen) > 1
 
 
 def test_gradients_accumulate_into_one_buffer_per_dtype():
@@ -118,3 +146,33 @@ def test_graphed_run_trains_like_an_eager_run(tmp_path, tiny_host_dir, kind):
         losses[graphs] = [r["loss"] for r in records if "loss" in r]
     assert len(losses[True]) == 12
     assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
+
+
+@two_gpus
+def test_graphed_run_on_two_gpus_trains_like_ddp(tmp_path, tiny_host_dir):
+    """`accelerate launch` on 2 GPUs: the graphed run (no DDP; its own all-reduce of the flat gradient buffers)
+    logs the same losses as eager DDP, and the same evaluation after training."""
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for graphs in (True, False):
+        out = tmp_path / f"g{graphs}"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no", "-m", "llm_surgery.train",
+               "--model", str(tiny_host_dir), "--kind", "pdssm", "--n", "2", "--max-steps", "10", "--batch-size", "8",
+               "--grad-accum", "2", "--num-sequences", "200", "--max-eval-examples", "64", "--log-every", "1",
+               "--tau", "1.0", "--tau-end", "0.2", "--lr", "3e-3", "--no-progress", "--no-plot", "--no-tensorboard",
+               "--save-every", "0", "--output-dir", str(out), *([] if graphs else ["--no-cuda-graphs"])]
+        proc = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        log = proc.stdout + proc.stderr
+        assert ("CUDA graphs: on" in log) == graphs and "capture failed" not in log
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        got[graphs] = ([r["loss"] for r in records if "loss" in r],
+                       json.loads((out / "results.json").read_text())["test"]["token_accuracy"])
+    assert len(got[True][0]) == 10
+    assert got[True][0] == pytest.approx(got[False][0], rel=2e-2), got
+    assert got[True][1] == pytest.approx(got[False][1], abs=0.02), got

@@ -95,14 +95,29 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_examples, generator=g)
 
+    def _shard(self, perm: torch.Tensor, batch: int) -> list[int]:
+        start = batch * self.global_batch + self.rank * self.batch_size
+        return perm[start:start + self.batch_size].tolist()
+
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             perm = self._perm(self.epoch)
             while self.batch < self.batches_per_epoch:
-                start = self.batch * self.global_batch + self.rank * self.batch_size
                 self.batch += 1
-                yield perm[start:start + self.batch_size].tolist()
+                yield self._shard(perm, self.batch - 1)
             self.epoch, self.batch = self.epoch + 1, 0
+
+    def ahead(self, micro_batches_done: int, count: int) -> Iterator[list[int]]:
+        """This rank's next `count` micro-batches from that position, as iterating would give them (the position
+        does not move)."""
+        epoch, batch = divmod(micro_batches_done, self.batches_per_epoch)
+        perm = self._perm(epoch)
+        for _ in range(count):
+            if batch == self.batches_per_epoch:
+                epoch, batch = epoch + 1, 0
+                perm = self._perm(epoch)
+            yield self._shard(perm, batch)
+            batch += 1
 
     def __len__(self) -> int:
         return self.batches_per_epoch

@@ -65,15 +65,17 @@ def evaluate(accelerator, model, tokenizer, evalset: EvalSet, train_max_ops: int
                 cpu = collate(feats)
                 span = completion_span(cpu["labels"])
                 batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in cpu.items()}
-                logits, labels = completion_loss_inputs(model, batch, span)
+                with accelerator.autocast():  # also for a model that is not prepared (train/graphs.py)
+                    logits, labels = completion_loss_inputs(model, batch, span)
                 mask = labels != IGNORE_INDEX
                 hit = (logits.argmax(-1) == labels) & mask
                 ok = (hit | ~mask).all(-1)
                 tokens = torch.stack([hit.sum(-1), mask.sum(-1)], -1)
             else:
                 contexts = [evalset.records[i]["context"] for i in idx.tolist()]
-                preds = greedy_complete(accelerator.unwrap_model(model), tokenizer, contexts,
-                                        max_new_tokens=max_new_tokens, batch_size=len(contexts))
+                with accelerator.autocast():
+                    preds = greedy_complete(accelerator.unwrap_model(model), tokenizer, contexts,
+                                            max_new_tokens=max_new_tokens, batch_size=len(contexts))
                 ok = torch.tensor([is_correct(p, evalset.records[i]["target"]) for p, i in zip(preds, idx.tolist())],
                                   device=accelerator.device)
                 tokens = torch.zeros(len(ok), 2, dtype=torch.long, device=accelerator.device)

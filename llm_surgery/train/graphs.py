@@ -9,23 +9,56 @@ BENCHMARKS.md). Here each micro-batch's forward and backward is one graph per ba
   the LM head runs on) is rounded up to a multiple of SPAN_MULTIPLE; the extra positions hold padding or prompt
   tokens whose labels are ignored, so the loss is the same. On the recipes' Box data (1,000 sequences, word
   tokenizer) that is 3 shapes, two of them 97% of the batches, for 9% more tokens than padding to 8;
-- one process only. With 2 processes (the model inside DDP, 2 H100s) the capture failed, cause not found yet;
-  those runs keep eager steps under DDP, whose all-reduce overlaps the backward;
 - gradients accumulate into one flat buffer per dtype that the trainable tensors' `.grad` view: the graph's
   backward adds into them and `zero_grad` clears them before a step (the graph keeps their addresses, so they are
   never set to None);
-- the straight-through temperature is read from device memory (`FlashPDSSM.tau_held`), so annealing works.
+- the model is not wrapped by Accelerate (no DDP, no autocast wrapper): with the model inside DDP the capture
+  failed on 2 H100s, since DDP's reducer hooks run in the backward. With several processes `all_reduce` averages
+  the flat buffers instead, one call per buffer after the last micro-batch: nothing overlaps the backward, but
+  the trainable tensors are few (135 M on a 3B host, ~2 ms on NVLink against an ~80 ms step). Every process
+  starts from rank 0's weights, as DDP would make it (`broadcast_trainable`);
+- the straight-through temperature is read from device memory (`FlashPDSSM.tau_held`), so annealing works;
+- every shape the run will meet is captured before its first step (`run_shapes`, `GraphedLoss.prepare`: the
+  sampler fixes the order, so the shapes are known), most frequent first, at most MAX_PREPARED of them; a shape
+  met only later is run eagerly once, then captured. Captured lazily, a new shape stalls its step twice (eagerly,
+  then while capturing) and with several processes every rank waits for it: on 4 H100s the first 15 of 45 steps
+  ran at half speed.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
+from llm_surgery.box_data import IGNORE_INDEX
 from llm_surgery.cuda_graphs import GraphedByShape
 
 LENGTH_MULTIPLE = 32
 SPAN_MULTIPLE = 16
+MAX_PREPARED = 8
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def run_shapes(sampler, data, micro_batches_done: int, count: int) -> Counter:
+    """How often each graph shape (batch, padded length, scored span) occurs in this rank's next `count`
+    micro-batches, as the collator (`pad_to_multiple_of=LENGTH_MULTIPLE`, left padding) and `GraphedLoss` make them."""
+    sizes = []  # (tokens, completion span) of every example: the span runs from its first label to its end
+    for f in data.features:
+        labels = f["labels"]
+        first = next(i for i, t in enumerate(labels) if t != IGNORE_INDEX)
+        sizes.append((len(labels), len(labels) - first))
+    shapes = Counter()
+    for shard in sampler.ahead(micro_batches_done, count):
+        length = _round_up(max(sizes[i][0] for i in shard), LENGTH_MULTIPLE)
+        span = min(length, _round_up(max(sizes[i][1] for i in shard), SPAN_MULTIPLE))
+        shapes[len(shard), length, span] += 1
+    return shapes
 
 
 def refusal(cfg, accelerator, model) -> str | None:
@@ -38,8 +71,6 @@ def refusal(cfg, accelerator, model) -> str | None:
         return "FSDP2 gathers and frees parameters around every layer, outside any graph"
     if cfg.gradient_checkpointing:
         return "--gradient-checkpointing"
-    if accelerator.num_processes > 1:
-        return "several processes (the capture failed under DDP; they keep DDP's overlapped all-reduce)"
     if accelerator.mixed_precision == "fp16":
         return "fp16's loss scaling skips steps on the host"
     config = model.config
@@ -72,7 +103,8 @@ class GraphedLoss:
         self.graphs = GraphedByShape(self._forward_backward, name="llm-surgery train")
 
     def _forward_backward(self, input_ids, attention_mask, labels):
-        # autocast without its weight cache: a cast made outside a capture must not be read inside it
+        # the model has no autocast wrapper (it is not prepared); without the weight cache: a cast made outside a
+        # capture must not be read inside it
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
             k = labels.shape[1]
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -83,9 +115,41 @@ class GraphedLoss:
 
     def __call__(self, batch: dict, span: int) -> torch.Tensor:
         ids = batch["input_ids"]
-        k = min(ids.shape[1], -(-span // SPAN_MULTIPLE) * SPAN_MULTIPLE)
+        k = min(ids.shape[1], _round_up(span, SPAN_MULTIPLE))
         return self.graphs(ids, batch["attention_mask"], batch["labels"][:, -k:]).clone()
+
+    def prepare(self, shapes: Counter, device) -> str:
+        """Capture the graphs of the most frequent `shapes` now, on placeholder tokens (their gradients are then
+        cleared); returns what was done, for the log."""
+        t0, chosen = time.perf_counter(), [s for s, _ in shapes.most_common(MAX_PREPARED)]
+        for batch, length, span in chosen:
+            ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+            mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+            labels = torch.zeros(batch, span, dtype=torch.long, device=device)
+            for _ in range(2):  # eagerly, then captured
+                self.graphs(ids, mask, labels)
+        self.zero_grad()
+        torch.cuda.synchronize(device)
+        share = sum(shapes[s] for s in chosen) / max(1, sum(shapes.values()))
+        return (f"{len(chosen)} of {len(shapes)} batch shapes captured ({100 * share:.0f}% of this process's "
+                f"micro-batches) in {time.perf_counter() - t0:.1f} s")
 
     def zero_grad(self) -> None:
         for flat in self.flat:
             flat.zero_()
+
+    def all_reduce(self, world_size: int) -> None:
+        """Average the gradients over the processes (NCCL takes a complex buffer as its real view)."""
+        import torch.distributed as dist
+
+        for flat in self.flat:
+            dist.all_reduce(torch.view_as_real(flat) if flat.is_complex() else flat)
+            flat.div_(world_size)
+
+
+def broadcast_trainable(params: list[torch.Tensor]) -> None:
+    """Every process takes rank 0's trainable tensors, as DDP's construction does."""
+    import torch.distributed as dist
+
+    for p in params:
+        dist.broadcast(torch.view_as_real(p.data) if p.is_complex() else p.data, 0)

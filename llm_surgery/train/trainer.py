@@ -9,8 +9,9 @@ checkpoints and `final/` stay finite (tracked on the device: no step waits for t
 the evaluation, so a failing evaluation loses no training.
 
 The same code runs on 1 CPU, N CPU processes (gloo), 1 GPU and N GPUs (DDP, or FSDP2 with `--fsdp`); only the
-launcher changes. On one GPU each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`)
-unless `--no-cuda-graphs` or the run rules it out. The loss is computed on the completion tokens only (left
+launcher changes. On CUDA each micro-batch's forward and backward is replayed from a CUDA graph (`graphs.py`;
+with several GPUs the gradients are then averaged by its all-reduce, not DDP's) unless `--no-cuda-graphs` or the
+run rules it out. The loss is computed on the completion tokens only (left
 padding puts them at the end of every row, so the LM head runs on those positions alone).
 """
 
@@ -237,17 +238,24 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
         cfg, accelerator, tokenizer, run["splits"], log, 8 if why_not else graphs.LENGTH_MULTIPLE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
-    model, optimizer = accelerator.prepare(model, optimizer)
     graphed = None
-    if why_not is None:  # one process: no DDP; the graphs call the model under Accelerate's autocast wrapper
+    if why_not is None:  # the model stays unprepared: no DDP, no autocast wrapper (graphs.py)
+        optimizer = accelerator.prepare(optimizer)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        graphed = graphs.GraphedLoss(accelerator.unwrap_model(model), trainable, cfg.grad_accum,
-                                     accelerator.mixed_precision)
+        if accelerator.num_processes > 1:
+            graphs.broadcast_trainable(trainable)
+        graphed = graphs.GraphedLoss(model, trainable, cfg.grad_accum, accelerator.mixed_precision)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
              val_set, test_set, total_steps, optimizer, scheduler, graphed)
     _start(r, run["resume_path"])
     _start_meters(r)
+    if graphed is not None:  # after the meters: the peak memory counts the captures' working memory
+        done = r.start_step * cfg.grad_accum
+        shapes = graphs.run_shapes(r.sampler, r.train_data, done, r.total_steps * cfg.grad_accum - done)
+        log(f"CUDA graphs: {graphed.prepare(shapes, accelerator.device)}")
     return r
 
 
@@ -399,6 +407,9 @@ def _step(r: _Run, step: int):
             loss, n_tok = _micro_step(r)
         loss_sum += loss.detach() / cfg.grad_accum
         step_tokens += n_tok
+    if r.graphed is not None and acc.num_processes > 1:
+        with r.profile.phase("backward"):  # where DDP's wait for its all-reduce is counted too
+            r.graphed.all_reduce(acc.num_processes)
     r.window_tokens += step_tokens
     with r.profile.phase("optimizer"):
         grad_norm = acc.clip_grad_norm_(r.params, math.inf if cfg.max_grad_norm is None else cfg.max_grad_norm)
