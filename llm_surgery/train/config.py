@@ -111,8 +111,8 @@ class TrainConfig:
         "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "
                 "transformers' torch reference; llm_surgery/host_kernels.py)"})
     cuda_graphs: bool = field(default=True, metadata={
-        "help": "one GPU: replay each micro-batch's forward and backward from CUDA graphs (one per padded batch "
-                "shape; llm_surgery/train/graphs.py); off by itself with several processes, --fsdp, "
+        "help": "CUDA: replay each micro-batch's forward and backward from CUDA graphs (one per padded batch "
+                "shape, captured before the first step; llm_surgery/train/graphs.py); off by itself with --fsdp, "
                 "--gradient-checkpointing, fp16 and hosts with routed experts"})
 
     # evaluation, logging, checkpoints

@@ -1,9 +1,9 @@
-"""The trainer's forward and backward, replayed from CUDA graphs (`--cuda-graphs`, on by default on one GPU).
+"""The trainer's forward and backward, replayed from CUDA graphs (`--cuda-graphs`, on by default on CUDA).
 
 At the recipes' batch (8 Box examples of ~100 tokens) a frozen 3B host's step is bound by the CPU's kernel
 launches, not by the GPU: the granite3b recipe on a random-weight granite-4.0-h-micro with 4 pdssm layers took
-305 ms a step eagerly (298 of them issuing kernels) and 82 ms replayed, 2,202 against 9,461 tokens/s (one H100;
-BENCHMARKS.md). Here each micro-batch's forward and backward is one graph per batch shape
+341 ms a step eagerly (335 of them issuing kernels) and 83 ms replayed, 2,291 against 9,560 tokens/s (one H100;
+4 H100s graphed: 90% of that per GPU; BENCHMARKS.md). Here each micro-batch's forward and backward is one graph per batch shape
 (`llm_surgery.cuda_graphs`), and so that a few graphs serve a run:
 - batches are padded (left, masked) to a multiple of LENGTH_MULTIPLE tokens, and the scored span (the positions
   the LM head runs on) is rounded up to a multiple of SPAN_MULTIPLE; the extra positions hold padding or prompt
@@ -13,10 +13,11 @@ BENCHMARKS.md). Here each micro-batch's forward and backward is one graph per ba
   backward adds into them and `zero_grad` clears them before a step (the graph keeps their addresses, so they are
   never set to None);
 - the model is not wrapped by Accelerate (no DDP, no autocast wrapper): with the model inside DDP the capture
-  failed on 2 H100s, since DDP's reducer hooks run in the backward. With several processes `all_reduce` averages
-  the flat buffers instead, one call per buffer after the last micro-batch: nothing overlaps the backward, but
-  the trainable tensors are few (135 M on a 3B host, ~2 ms on NVLink against an ~80 ms step). Every process
-  starts from rank 0's weights, as DDP would make it (`broadcast_trainable`);
+  failed on 2 H100s (likely DDP's reducer hooks, which run inside the backward). With several processes
+  `all_reduce` averages the flat buffers instead, one call per buffer after the last micro-batch: nothing
+  overlaps the backward, but the trainable tensors are few (135 M on a 3B host: 9 ms a step on 4 H100s, the wait
+  for the slowest rank included, against an 83 ms step). Every process starts from rank 0's weights, as DDP
+  would make it (`broadcast_trainable`);
 - the straight-through temperature is read from device memory (`FlashPDSSM.tau_held`), so annealing works;
 - every shape the run will meet is captured before its first step (`run_shapes`, `GraphedLoss.prepare`: the
   sampler fixes the order, so the shapes are known), most frequent first, at most MAX_PREPARED of them; a shape

@@ -8,7 +8,7 @@ close to its time is bound by the host, not by the device. The backward includes
 gradient all-reduce (the reducer makes the stream wait for it); comparing the backward of N processes with one
 process's gives the communication the backward did not hide. These steps synchronise, so they are left out of
 the run's throughput. When steps replay from CUDA graphs (`graphs.py`), `forward` is the replay of the forward and
-backward together.
+backward together, and `backward` the gradients' all-reduce of several processes.
 """
 
 from __future__ import annotations
