@@ -347,7 +347,8 @@ def main(argv=None) -> dict:
         bd = breakdown_table(summary["runs"])
         if bd:
             md += (f"\n\nstep-time breakdown, ms per step over the last {args.profile_steps} steps (each phase "
-                   "synchronised; backward includes the wait for DDP's gradient all-reduce)\n\n" + bd)
+                   "synchronised; backward includes the wait for DDP's gradient all-reduce; for GRAPHS, forward "
+                   "is the replay of forward and backward, backward the gradients' all-reduce)\n\n" + bd)
         for c in summary.get("eval_checks", []):
             md += (f"\n\nevaluation check, {c['mode']} x{c['num_processes']}: gathered over the processes vs one "
                    f"process on the saved layers: {c['num_examples'][0]} / {c['num_examples'][1]} examples, counts "
