@@ -238,18 +238,19 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
         cfg, accelerator, tokenizer, run["splits"], log, 8 if why_not else graphs.LENGTH_MULTIPLE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
-    graphed = None
     if why_not is None:  # the model stays unprepared: no DDP, no autocast wrapper (graphs.py)
         optimizer = accelerator.prepare(optimizer)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if accelerator.num_processes > 1:
-            graphs.broadcast_trainable(trainable)
-        graphed = graphs.GraphedLoss(model, trainable, cfg.grad_accum, accelerator.mixed_precision)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP2: sharded)
+    graphed = None
+    if why_not is None:
+        if accelerator.num_processes > 1:
+            graphs.broadcast_trainable(params)
+        graphed = graphs.GraphedLoss(model, params, cfg.grad_accum, accelerator.mixed_precision)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
-             val_set, test_set, total_steps, optimizer, scheduler, graphed)
+             val_set, test_set, total_steps, optimizer, scheduler, graphed, params=params)
     _start(r, run["resume_path"])
     _start_meters(r)
     if graphed is not None:  # after the meters: the peak memory counts the captures' working memory
@@ -344,7 +345,6 @@ def _start_meters(r: _Run) -> None:
         from tqdm.auto import tqdm  # noqa: I001 - a dependency of transformers, always present
         r.bar = tqdm(total=r.total_steps, initial=r.start_step, desc=f"train {cfg.kind}", unit="step",
                      dynamic_ncols=True)
-    r.params = [p for p in r.model.parameters() if p.requires_grad]
     r.model.train()
     if acc.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(acc.device)
