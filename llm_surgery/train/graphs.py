@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from llm_surgery.box_data import IGNORE_INDEX
 from llm_surgery.cuda_graphs import GraphedByShape
 
+from .evaluate import completion_loss_inputs
+
 LENGTH_MULTIPLE = 32
 SPAN_MULTIPLE = 16
 MAX_PREPARED = 8
@@ -107,10 +109,9 @@ class GraphedLoss:
         # the model has no autocast wrapper (it is not prepared); without the weight cache: a cast made outside a
         # capture must not be read inside it
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
-            k = labels.shape[1]
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                logits_to_keep=k + 1).logits[:, :-1]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+            logits, labels = completion_loss_inputs(self.model, batch, labels.shape[1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         (loss / self.grad_accum).backward()
         return loss.detach()
 
