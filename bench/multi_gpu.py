@@ -79,9 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# graphs: the trainer's default (one process: forward and backward replayed from CUDA graphs,
-# llm_surgery/train/graphs.py; several: eager DDP, as graphs.py says why); ddp: eager steps (--no-cuda-graphs),
-# under DDP with several processes; fsdp: FSDP2 (eager)
+# graphs: the trainer's default (forward and backward replayed from CUDA graphs, the gradients averaged by one
+# all-reduce per buffer instead of DDP; llm_surgery/train/graphs.py); ddp: eager steps (--no-cuda-graphs), under
+# DDP with several processes; fsdp: FSDP2 (eager)
 MODES = ("graphs", "ddp", "fsdp")
 
 
