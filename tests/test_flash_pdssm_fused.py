@@ -160,3 +160,33 @@ def test_decode_steps_match_fused_forward_cuda():
             ys.append(y)
     rel = ((torch.stack(ys, 1) - y_full).norm() / y_full.norm()).item()
     assert rel < 1e-5, rel
+
+
+def test_kernel_backend_refuses_heads_the_fused_op_does_not_serve():
+    """Heads over MAX_HEAD_SIZE: backend='kernel' is refused when built, naming the sizes; 'auto' builds."""
+    from llm_surgery.layers import flash_pdssm_fused
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+    big = flash_pdssm_fused.MAX_HEAD_SIZE + 32
+    with pytest.raises(ValueError, match=f"got {big} and {big}"):
+        FlashPDSSM(2 * big, num_heads=2, backend="kernel")
+    FlashPDSSM(2 * big, num_heads=2, backend="auto")
+    FlashPDSSM(128, num_heads=2, backend="kernel")   # 64 x 64 heads: served
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_heads_over_the_fused_limit_train_on_the_torch_path_cuda():
+    """A 4-head layer with N = P = 96 (whose fused readout asked 360 KB of shared memory and failed) runs forward
+    and backward under backend='auto' on CUDA, equal to backend='torch'."""
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+    torch.manual_seed(0)
+    ref = FlashPDSSM(384, num_heads=4, dict_size=8, backend="torch").cuda()
+    auto = copy.deepcopy(ref)
+    auto.backend = "auto"
+    x = torch.randn(2, 50, 384, device="cuda")
+    grads = []
+    for layer in (ref, auto):
+        xx = x.clone().requires_grad_(True)
+        layer(xx).square().sum().backward()
+        grads.append(xx.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)

@@ -85,6 +85,7 @@ class FlashPDSSM(nn.Module):
         self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
         self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
         self.complex, self.tau, self.layer_idx, self.backend = complex, tau, layer_idx, backend
+        self._check_kernel_sizes()
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
         if b_gate not in self.B_GATES:
@@ -284,12 +285,22 @@ class FlashPDSSM(nn.Module):
                         check_values=False)   # argmaxes: in range by construction, no host sync
         return self._readout(x, u), x[:, :, -1]
 
+    def _check_kernel_sizes(self) -> None:
+        """backend='kernel' on heads the fused op does not serve: an error, never a silent torch path."""
+        if self.backend == "kernel" and not fused.fits(self.state_size, self.head_dim):
+            raise ValueError(f"FlashPDSSM: backend='kernel' serves heads up to state_size and head_dim "
+                             f"{fused.MAX_HEAD_SIZE}, got {self.state_size} and {self.head_dim}; use backend='auto' "
+                             f"(the torch path for such heads) or more, smaller heads")
+
     def _use_kernels(self, u: torch.Tensor, decode: bool = False) -> bool:
         """Whether this call runs the fused op (see `backend`)."""
         if self.backend == "torch":
             return False
         # where the middle runs as one Triton kernel per (sequence, head) (triton_middle.py) it needs no pd_scan
         # extension
+        if not fused.fits(self.state_size, self.head_dim):
+            self._check_kernel_sizes()
+            return False
         one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
                                                          u.device)
         if decode and not one_kernel:

@@ -29,6 +29,17 @@ from ..ops import fast_path
 from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
 
 
+# Head sizes (state N, head width P) the fused op serves: its Triton products keep a head's [P, N] weight planes and
+# their gradients on chip, and at 96 (blocks of 128) they outgrow an H100's shared memory (360 of 232 KB asked).
+# Larger heads run the layer's torch path, whose scan is still the pd_scan CUDA kernels.
+MAX_HEAD_SIZE = 64
+
+
+def fits(state_size: int, head_dim: int) -> bool:
+    """Whether a layer's heads are small enough for the fused op (`MAX_HEAD_SIZE`)."""
+    return max(state_size, head_dim) <= MAX_HEAD_SIZE
+
+
 def usable(u: torch.Tensor, triton_only: bool = False) -> bool:
     """Whether `fused_middle` can run for the layer input u: a CUDA tensor of float32/bfloat16/float16, Triton
     importable and (unless `triton_only`: where `one_kernel_pays`, which needs no pd_scan extension) the pd_scan
