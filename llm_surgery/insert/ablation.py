@@ -11,6 +11,10 @@ import torch
 
 from .surgery import inserted_layers
 
+# one-token sequences per mixer call: mamba-ssm's scan puts the batch in a CUDA grid dimension (at most 65,535), and
+# a test batch of 64 long Box examples makes ~60,000 (an illegal memory access on an H100)
+MAX_SEQUENCES = 8192
+
 
 @contextmanager
 def tokens_alone(model):
@@ -27,7 +31,8 @@ def tokens_alone(model):
             if state is not None or return_state:
                 raise ValueError("tokens_alone: the mixers keep no state; run the model with use_cache=False")
             b, L, d = hidden_states.shape
-            return forward(hidden_states.reshape(b * L, 1, d)).reshape(b, L, -1)
+            tokens = hidden_states.reshape(b * L, 1, d)
+            return torch.cat([forward(part) for part in tokens.split(MAX_SEQUENCES)]).reshape(b, L, -1)
         return run
 
     for mixer, forward in originals:
