@@ -97,3 +97,30 @@ def test_cpu_convolutions_go_to_torch_where_causal_conv1d_is_installed(monkeypat
     routed = mod.causal_conv1d_fn
     host_kernels.keep_cpu_convolutions_in_torch()
     assert mod.causal_conv1d_fn is routed   # not wrapped twice
+
+
+def test_surgery_routes_cpu_convolutions_so_a_cpu_host_runs_where_causal_conv1d_is_installed(monkeypatch):
+    """insert_layers applies `keep_cpu_convolutions_in_torch`: a CPU host with inserted layers runs its Mamba2
+    convolutions in torch even where transformers would call causal-conv1d's CUDA-only kernel (which, before,
+    failed the tokens-alone test on a GPU machine with causal-conv1d)."""
+    import functools
+
+    from llm_surgery.hosts import build_tiny_host
+    from llm_surgery.insert import insert_layers
+
+    host = build_tiny_host("granite", seed=1, pattern="M*")
+    mod = importlib.import_module(type(host).__module__)
+    torch_function = getattr(mod.causal_conv1d_fn, "__wrapped__", None) or mod.causal_conv1d_fn
+    calls = []
+
+    @functools.wraps(torch_function)
+    def package(x, *args, **kwargs):   # transformers' decorated function with causal-conv1d installed
+        calls.append(x.device.type)
+        if not x.is_cuda:
+            raise RuntimeError("Expected x.is_cuda() to be true, but got false.")
+
+    monkeypatch.setattr(mod, "causal_conv1d_fn", package)
+    model = insert_layers(host, "pdssm", 1).eval()
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, 6)), use_cache=False)
+    assert calls == []   # the CPU tensors went to the torch function

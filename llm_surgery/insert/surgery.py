@@ -220,6 +220,8 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
     taken = [s.layer_idx for s in specs if hasattr(base.layers[s.layer_idx], "pre_ssm")]
     if taken:
         raise ValueError(f"decoder layers {taken} already have a 'pre_ssm' attribute; insert into a fresh host")
+    from ..host_kernels import keep_cpu_convolutions_in_torch
+    keep_cpu_convolutions_in_torch()  # a host on the CPU must run where causal-conv1d (CUDA only) is installed
     hidden, eps = int(base.config.hidden_size), norm_eps(base)
     blocks = [_build_block(s, hidden, eps, *dtype_and_device(base.layers[s.layer_idx])) for s in specs]
     if prepare is not None:
