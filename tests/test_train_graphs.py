@@ -176,3 +176,42 @@ def test_graphed_run_on_two_gpus_trains_like_ddp(tmp_path, tiny_host_dir):
     assert len(got[True][0]) == 10
     assert got[True][0] == pytest.approx(got[False][0], rel=2e-2), got
     assert got[True][1] == pytest.approx(got[False][1], abs=0.02), got
+
+
+@two_gpus
+def test_graphed_run_on_two_gpus_killed_and_resumed_continues_its_losses(tmp_path, tiny_host_dir):
+    """`accelerate launch` on 2 GPUs with graphs on: rank 0 SIGKILLed after step 3, the run resumed from its step-2
+    checkpoint logs the uninterrupted run's losses for steps 3-6 and ends with its evaluation."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    flags = ["--model", str(tiny_host_dir), "--kind", "pdssm", "--n", "2", "--max-steps", "6", "--batch-size", "8",
+             "--num-sequences", "200", "--max-eval-examples", "64", "--log-every", "1", "--tau", "1.0",
+             "--tau-end", "0.2", "--lr", "3e-3", "--no-progress", "--no-plot", "--no-tensorboard", "--save-every", "2"]
+
+    def launch(out, *more, script=("-m", "llm_surgery.train")):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no", *script, *flags,
+               "--output-dir", str(out), *more]
+        path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+        return subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                                            PYTHONPATH=path), cwd=repo, capture_output=True, text=True, timeout=600)
+
+    def losses(out):
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+
+    proc = launch(tmp_path / "full")
+    assert proc.returncode == 0 and "CUDA graphs: on" in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    proc = launch(tmp_path / "crashed", script=(str(repo / "tests" / "crash_after_step.py"), "3"))
+    assert proc.returncode != 0 and not (tmp_path / "crashed" / "results.json").exists()
+    proc = launch(tmp_path / "crashed", "--resume", "latest")
+    assert proc.returncode == 0 and "CUDA graphs: on" in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    want, got = losses(tmp_path / "full"), losses(tmp_path / "crashed")
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([want[s] for s in (3, 4, 5, 6)], rel=1e-3), (got, want)
+    res = [json.loads((tmp_path / d / "results.json").read_text())["test"] for d in ("full", "crashed")]
+    assert res[1]["token_accuracy"] == pytest.approx(res[0]["token_accuracy"], abs=0.01)
