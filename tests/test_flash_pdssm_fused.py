@@ -190,3 +190,21 @@ def test_heads_over_the_fused_limit_train_on_the_torch_path_cuda():
         layer(xx).square().sum().backward()
         grads.append(xx.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tau", [0.0, -1.0, float("nan"), float("inf")])
+def test_fused_middle_and_pd_select_scan_refuse_the_same_temperatures(tau):
+    """One check (`straight_through_tau`) for both entry points: a non-positive or non-finite tau is refused before
+    any work, on any device."""
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+    from llm_surgery.layers.flash_pdssm_fused import fused_middle
+    from llm_surgery.ops.pd_select import pd_select_scan
+    layer = FlashPDSSM(32, num_heads=2)
+    H, K, N = layer.num_heads, layer.dict_size, layer.state_size
+    u = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match="fused_middle: tau must be a positive finite number"):
+        fused_middle(u, layer.x_proj.weight, layer.decay_bias, layer.dictionary, layer.B,
+                     torch.zeros(1, H, N, dtype=torch.complex64), layer.C, layer.D_skip, tau=tau)
+    with pytest.raises(ValueError, match="pd_select_scan: tau must be a positive finite number"):
+        pd_select_scan(layer.dictionary, torch.randn(1, H, 3, K), torch.ones(1, H, 3, N, dtype=torch.complex64),
+                       torch.ones(1, H, 3, N, dtype=torch.complex64), tau=tau)

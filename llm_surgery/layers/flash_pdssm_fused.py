@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import fast_path
-from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply
+from ..ops.pd_select.function import column_argmax, softmax_jacobian_apply, straight_through_tau
 
 
 # Head sizes (state N, head width P) the fused op serves: its Triton products keep a head's [P, N] weight planes and
@@ -378,12 +378,10 @@ def fused_middle(u: torch.Tensor, Wx: torch.Tensor, decay_bias: torch.Tensor, M:
                          f"got {x0.dtype} {tuple(x0.shape)}")
     if mask is not None and mask.shape != (B, L):
         raise ValueError(f"fused_middle: mask must be [B, L] = {(B, L)}, got {tuple(mask.shape)}")
-    if not isinstance(tau, torch.Tensor) and tau <= 0:   # a tensor (FlashPDSSM.tau_held) is checked where set
-        raise ValueError(f"fused_middle: tau must be > 0, got {tau}")
+    tau = straight_through_tau(tau, "fused_middle")
     if unit_snap < 0 or phase_levels < 0:
         raise ValueError(f"fused_middle: unit_snap and phase_levels must be >= 0, got {unit_snap}, "
                          f"{phase_levels}")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, Wx, decay_bias, M, Bw, x0, C, D_skip))
-    return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip,
-                              tau if isinstance(tau, torch.Tensor) else float(tau), mask, b_gate,
-                              float(unit_snap), int(phase_levels), grad)
+    return _FusedMiddle.apply(u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, float(unit_snap),
+                              int(phase_levels), grad)

@@ -70,6 +70,16 @@ def selector_grad(P_dict: torch.Tensor, lam: torch.Tensor, dx: torch.Tensor) -> 
     return torch.stack(r, dim=-1)
 
 
+def straight_through_tau(tau, where: str):
+    """tau as the straight-through backward takes it: a scalar tensor as it is (`FlashPDSSM.tau_held`, checked
+    where it is set), a number as a float, refused unless positive and finite."""
+    if isinstance(tau, torch.Tensor):
+        return tau
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"{where}: tau must be a positive finite number, got {tau}")
+    return float(tau)
+
+
 def softmax_jacobian_apply(logits: torch.Tensor, grad: torch.Tensor, tau: float | torch.Tensor,
                            dim: int) -> torch.Tensor:
     """Vector-Jacobian product of softmax(logits / tau) along dim (tau a number or a scalar tensor)."""
@@ -131,10 +141,9 @@ def pd_select_scan(M: torch.Tensor, sel: torch.Tensor, D: torch.Tensor, b: torch
     if sel.shape != b.shape[:3] + (K,):
         raise ValueError(f"pd_select_scan: sel must be {tuple(b.shape[:3] + (K,))} ([B, H, L, K]), "
                          f"got {tuple(sel.shape)}")
-    if not isinstance(tau, torch.Tensor) and not (math.isfinite(tau) and tau > 0):
-        raise ValueError(f"pd_select_scan: tau must be a positive finite number, got {tau}")
+    tau = straight_through_tau(tau, "pd_select_scan")
     check_pd_inputs(torch.zeros((), dtype=torch.int16, device=b.device).expand(b.shape), D, b, x0,
                     check_values=False)
     if mask is not None and mask.shape != (b.shape[0], b.shape[2]):
         raise ValueError(f"pd_select_scan: mask must be [B, L] = {(b.shape[0], b.shape[2])}, got {tuple(mask.shape)}")
-    return _PDSelectScan.apply(M, sel, D, b, x0, tau if isinstance(tau, torch.Tensor) else float(tau), mask)
+    return _PDSelectScan.apply(M, sel, D, b, x0, tau, mask)
