@@ -222,7 +222,7 @@ def test_unit_snap_reaches_exactly_one_and_stops_the_decay_gate():
     layer = _layer(unit_snap=0.01, b_gate="decay")
     with torch.no_grad():  # decays from 1e-4 (locked at |D| = 1) to ~1 (free): both regimes present
         layer.decay_bias.copy_(torch.linspace(-9.0, 1.0, layer.decay_bias.numel()))
-    _, D, b = layer._ssm_inputs(torch.randn(2, 7, 48, dtype=torch.float64))
+    _, D, b, _ = layer._ssm_inputs(torch.randn(2, 7, 48, dtype=torch.float64))
     mag = D.abs()
     locked = mag == 1.0
     assert locked.any() and (~locked).any() and mag.max() <= 1.0
@@ -237,7 +237,7 @@ def test_phase_levels_round_forward_and_pass_gradients_straight_through():
     import math
     layer = _layer(phase_levels=10)
     u = torch.randn(2, 7, 48, dtype=torch.float64)
-    _, D, _ = layer._ssm_inputs(u)
+    _, D, _, _ = layer._ssm_inputs(u)
     q = torch.angle(D) / (2 * math.pi / 10)
     assert torch.allclose(q, q.round(), atol=1e-9)
     # straight through: the phase columns of x_proj get the gradient of the rounded phases (not zero)
@@ -338,3 +338,39 @@ def test_one_cuda_fast_path_decision(monkeypatch):
     if importlib.util.find_spec("triton") is not None:
         monkeypatch.setattr(fast_path, "triton_imports", lambda: True)
         assert _block_kernels(gpu((2, 5, 48))) is not None and _block_kernels(gpu((2, 5, 48), torch.float64)) is None
+
+
+@pytest.mark.parametrize("complex_", [True, False])
+def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(complex_):
+    """read_gate=True: the same layer at init (its x_proj rows start at zero, r_t = 1), gradients reach those rows,
+    and once they are non-zero the readout is Re(C_h (r_t x_t)) with r_t from u_t; steps still equal one pass;
+    backend='kernel' is refused when built."""
+    torch.manual_seed(0)
+    plain = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_).double()
+    torch.manual_seed(0)
+    gated = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_, read_gate=True).double()
+    H, N = gated.num_heads, gated.state_size
+    n_read = (2 if complex_ else 1) * N
+    rows = gated.x_proj.weight.view(H, -1, 48)
+    with torch.no_grad():
+        rows[:, :-n_read].copy_(plain.x_proj.weight.view(H, -1, 48))
+        gated.load_state_dict({k: v for k, v in plain.state_dict().items() if k != "x_proj.weight"}, strict=False)
+    x = torch.randn(2, 13, 48, dtype=torch.float64)
+    y = gated(x)
+    assert torch.allclose(y, plain(x), atol=1e-12)
+    y.pow(2).sum().backward()
+    assert gated.x_proj.weight.grad.view(H, -1, 48)[:, -n_read:].abs().sum() > 0
+    with torch.no_grad():
+        rows[:, -n_read:].normal_(0, 0.3)
+        assert not torch.allclose(gated(x), plain(x), atol=1e-6)
+        full = gated(x)
+        y1, st = gated(x[:, :7], return_state=True)
+        outs = [y1]
+        for t in range(7, 13):
+            yt, st = gated.step(x[:, t], st)
+            outs.append(yt.unsqueeze(1))
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-12)
+    with pytest.raises(ValueError, match="read gate"):
+        FlashPDSSM(48, num_heads=4, read_gate=True, backend="kernel")
+    with pytest.raises(ValueError, match="read_gate must be True or False"):
+        FlashPDSSM(48, num_heads=4, read_gate="yes")

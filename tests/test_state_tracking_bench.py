@@ -277,12 +277,12 @@ def test_hard_b_gate_can_close_the_injection(complex_):
     torch.manual_seed(0)
     layer = FlashPDSSM(16, num_heads=2, state_size=4, complex=complex_, b_gate="hard", x_init_std=1.0)
     u = torch.randn(2, 5, 16)
-    _, D, b = layer._ssm_inputs(u)
+    _, D, b, _ = layer._ssm_inputs(u)
     assert D.shape == b.shape == (2, 2, 5, 4) and b.abs().sum() > 0
     with torch.no_grad():  # gate logits of every head far below -0.5: exactly no injection
         layer.x_proj.weight.view(2, -1, 16)[:, -1].zero_()
         layer.x_proj.weight.view(2, -1, 16)[:, -1, 0] = -100.0
-    _, _, b = layer._ssm_inputs(u.abs() + 0.1)
+    _, _, b, _ = layer._ssm_inputs(u.abs() + 0.1)
     assert b.abs().max() == 0
     y = layer(torch.randn(2, 5, 16))
     assert y.shape == (2, 5, 16) and torch.isfinite(y).all()
@@ -294,15 +294,15 @@ def test_decay_b_gate_scales_injection_by_one_minus_abs_d():
     plain = FlashPDSSM(16, num_heads=2, state_size=4)
     torch.manual_seed(0)
     coupled = FlashPDSSM(16, num_heads=2, state_size=4, b_gate="decay")
-    _, D, b = plain._ssm_inputs(u)
-    _, D2, b2 = coupled._ssm_inputs(u)
+    _, D, b, _ = plain._ssm_inputs(u)
+    _, D2, b2, _ = coupled._ssm_inputs(u)
     assert torch.equal(D, D2)
     torch.testing.assert_close(b2, b * (1 - D.abs()))
 
 
 def test_b_gate_options_and_errors():
     off = FlashPDSSM(16, num_heads=2, state_size=4, b_gate="off", x_init_std=1.0)
-    _, _, b = off._ssm_inputs(torch.randn(1, 3, 16))
+    _, _, b, _ = off._ssm_inputs(torch.randn(1, 3, 16))
     assert b.abs().max() == 0 and off.x_init.abs().sum() > 0
     assert FlashPDSSM(16, num_heads=2).x_init.abs().sum() == 0  # default unchanged: zero initial state
     assert FlashPDSSM(16, b_gate=True).b_gate == "sigmoid" and FlashPDSSM(16, b_gate=False).b_gate is None

@@ -63,7 +63,7 @@ class SelectionProbe:
     def _recording(self, i, mixer, scan_and_read):
         def run(u, attention_mask, x0):
             with torch.no_grad():
-                sel, D, _ = mixer._ssm_inputs(u)
+                sel, D, _, _ = mixer._ssm_inputs(u)
                 kstar = sel.argmax(-1)                                      # [B, H, L]
                 half = (math.log(0.5) / D.abs().clamp(1e-30, 1 - 1e-12).log()).contiguous()   # [B,H,L,N] tokens
                 keep = (torch.ones(kstar.shape[0], kstar.shape[2], dtype=torch.bool, device=kstar.device)

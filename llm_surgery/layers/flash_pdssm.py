@@ -57,7 +57,7 @@ class FlashPDSSM(nn.Module):
                  conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
                  dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
                  layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0,
-                 unit_snap: float = 0.0, phase_levels: int = 0, backend: str = "auto"):
+                 unit_snap: float = 0.0, phase_levels: int = 0, read_gate: bool = False, backend: str = "auto"):
         super().__init__()
         sizes = dict(hidden_size=hidden_size, expand=expand, conv_kernel=conv_kernel, num_heads=num_heads,
                      head_dim=head_dim, state_size=state_size, dict_size=dict_size)
@@ -85,6 +85,13 @@ class FlashPDSSM(nn.Module):
         self.hidden_size, self.d_inner, self.num_heads, self.head_dim = hidden_size, d_inner, num_heads, head_dim
         self.state_size, self.dict_size, self.conv_kernel = state_size, dict_size, conv_kernel
         self.complex, self.tau, self.layer_idx, self.backend = complex, tau, layer_idx, backend
+        # read_gate: the readout takes the state through a per-token gate r_t (N values per head, complex for a
+        # complex layer) made from u_t: y_t = Re(C_h (r_t * x_t)). Beyond the paper, whose C is time-invariant: a
+        # query token can pick (and, complex, rotate) the entries it reads, as Mamba2's C_t and DeltaNet's queries
+        # do. Its x_proj rows start at zero, so r_t = 1 and the layer starts as a plain one. Torch path only.
+        if not isinstance(read_gate, bool):
+            raise ValueError(f"FlashPDSSM: read_gate must be True or False, got {read_gate!r}")
+        self.read_gate = read_gate
         self._check_kernel_sizes()
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
@@ -118,7 +125,8 @@ class FlashPDSSM(nn.Module):
         # a head that keeps its state (|D| -> 1) takes nothing in; "off": no injection at all, the state
         # is the learned x_init moved by P_t D_t (Proposition 1's automaton emulation; give x_init_std > 0).
         n_gate = int(b_gate in ("sigmoid", "hard"))
-        self.x_proj = nn.Linear(d_inner, H * (K + N + n_phase + n_gate), bias=False)
+        n_read = (2 if complex else 1) * N if read_gate else 0   # the read gate's columns come last, per head
+        self.x_proj = nn.Linear(d_inner, H * (K + N + n_phase + n_gate + n_read), bias=False)
         # log|D_t| = -softplus(a_t + decay_bias): decays start in decay_range, like Mamba2's dt init.
         lo, hi = decay_range
         decay = torch.exp(torch.rand(H * N) * (math.log(hi) - math.log(lo)) + math.log(lo))
@@ -135,6 +143,8 @@ class FlashPDSSM(nn.Module):
         self.out_proj = nn.Linear(d_inner, hidden_size, bias=False)
         with torch.no_grad():
             self.x_proj.weight.mul_(0.5)
+            if n_read:
+                self.x_proj.weight.view(H, -1, d_inner)[:, -n_read:].zero_()
 
     @property
     def tau(self) -> float:
@@ -186,7 +196,8 @@ class FlashPDSSM(nn.Module):
         return column_argmax(self.dictionary)
 
     def _ssm_inputs(self, u: torch.Tensor):
-        """u [B,L,d_inner] -> selector logits [B,H,L,K], D and b [B,H,L,N] (float32 / complex64).
+        """u [B,L,d_inner] -> selector logits [B,H,L,K], D and b [B,H,L,N] (float32 / complex64), and the read gate
+        r [B,H,L,N] (None without `read_gate`).
 
         The two projections run in u's dtype (bf16 in mixed precision: tensor cores, as Mamba2's dt/B/C
         projections do); everything after them is float32 at least (float64 when asked)."""
@@ -216,12 +227,19 @@ class FlashPDSSM(nn.Module):
             b = b * (0.5 + proj[..., -1:]).clamp(0, 1)
         elif self.b_gate == "decay":  # b scaled by 1 - |D| (Mamba-style): a state that keeps, takes nothing in
             b = b * (1 - mag if self.unit_snap else torch.sigmoid(a))  # 1 - |D_t|
-        return sel, D, b
+        r = None
+        if self.read_gate:
+            cols = proj[..., -(2 if self.complex else 1) * N:]
+            r = 1 + (torch.complex(cols[..., :N], cols[..., N:]) if self.complex else cols)
+        return sel, D, b, r
 
-    def _readout(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Re(C_h x_t) + D_skip * u -> [B, L, d_inner], in u's dtype (one real matmul over [Re x, Im x])."""
+    def _readout(self, x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+        """Re(C_h (r_t x_t)) + D_skip * u -> [B, L, d_inner], in u's dtype (one real matmul over [Re, Im]); r the
+        read gate (None: 1)."""
         Bsz, H, L, N = x.shape
         dt = u.dtype
+        if r is not None:
+            x = x * r
         if self.complex:
             xs = torch.cat([x.real, x.imag], dim=-1).to(dt)                        # [B,H,L,2N]
             Cw = torch.cat([self.C[..., 0], -self.C[..., 1]], dim=-1).to(dt)       # [H,P,2N]
@@ -273,7 +291,7 @@ class FlashPDSSM(nn.Module):
         decode = u.shape[1] == 1 and not torch.is_grad_enabled()
         if self._use_kernels(u, decode):
             return self._fused_scan_and_read(u, attention_mask, x0)
-        sel, D, b = self._ssm_inputs(u)
+        sel, D, b, r = self._ssm_inputs(u)
         x0 = x0.to(b.dtype)
         if attention_mask is not None:  # padding steps are the identity: D = 1, P = id (below), b = 0
             keep = attention_mask.to(torch.bool)[:, None, :, None]
@@ -283,14 +301,22 @@ class FlashPDSSM(nn.Module):
         else:  # inference: the same hard forward without the straight-through bookkeeping
             x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0,
                         check_values=False)   # argmaxes: in range by construction, no host sync
-        return self._readout(x, u), x[:, :, -1]
+        return self._readout(x, u, r), x[:, :, -1]
+
+    def _fused_refusal(self) -> str | None:
+        """Why the fused op cannot serve this layer (None: it can, where CUDA and its kernels are there)."""
+        if not fused.fits(self.state_size, self.head_dim):
+            return (f"serves heads up to state_size and head_dim {fused.MAX_HEAD_SIZE}, got {self.state_size} and "
+                    f"{self.head_dim}; use backend='auto' (the torch path for such heads) or more, smaller heads")
+        if self.read_gate:
+            return "has no read gate; use backend='auto' (the torch path) with read_gate=True"
+        return None
 
     def _check_kernel_sizes(self) -> None:
-        """backend='kernel' on heads the fused op does not serve: an error, never a silent torch path."""
-        if self.backend == "kernel" and not fused.fits(self.state_size, self.head_dim):
-            raise ValueError(f"FlashPDSSM: backend='kernel' serves heads up to state_size and head_dim "
-                             f"{fused.MAX_HEAD_SIZE}, got {self.state_size} and {self.head_dim}; use backend='auto' "
-                             f"(the torch path for such heads) or more, smaller heads")
+        """backend='kernel' on a layer the fused op does not serve: an error, never a silent torch path."""
+        why = self._fused_refusal()
+        if self.backend == "kernel" and why:
+            raise ValueError(f"FlashPDSSM: backend='kernel' {why}")
 
     def _use_kernels(self, u: torch.Tensor, decode: bool = False) -> bool:
         """Whether this call runs the fused op (see `backend`)."""
@@ -298,7 +324,7 @@ class FlashPDSSM(nn.Module):
             return False
         # where the middle runs as one Triton kernel per (sequence, head) (triton_middle.py) it needs no pd_scan
         # extension
-        if not fused.fits(self.state_size, self.head_dim):
+        if self._fused_refusal():
             self._check_kernel_sizes()
             return False
         one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
@@ -332,4 +358,5 @@ class FlashPDSSM(nn.Module):
                 f"state_size={self.state_size}, dict_size={self.dict_size}, complex={self.complex}, tau={self.tau}, "
                 f"b_gate={self.b_gate}" + (f", unit_snap={self.unit_snap}" if self.unit_snap else "")
                 + (f", phase_levels={self.phase_levels}" if self.phase_levels else "")
+                + (", read_gate=True" if self.read_gate else "")
                 + (f", backend={self.backend!r}" if self.backend != "auto" else ""))
