@@ -4,6 +4,7 @@
     u -> x_proj -> per head: selector logits (K), log-magnitude and phase of D_t (N each)
     b_t = B_h u_t (complex),  P_t = P_dict[h, argmax selector],  x_t = P_t D_t x_{t-1} + b_t   (pd_select_scan)
     y = Re(C_h x_t) + D_skip * u;  out = out_proj(GatedRMSNorm(y, z))
+    (read_gate=True: y = Re(C_h (r_t * x_t)) + D_skip * u, r_t per token from x_proj; torch path only)
 
 Memory is O(B*L*H*N + H*K*N*N): per token only an int16 index vector and a diagonal are built (paper, sec. 3).
 """
