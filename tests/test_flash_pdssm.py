@@ -340,15 +340,15 @@ def test_one_cuda_fast_path_decision(monkeypatch):
         assert _block_kernels(gpu((2, 5, 48))) is not None and _block_kernels(gpu((2, 5, 48), torch.float64)) is None
 
 
-@pytest.mark.parametrize("complex_", [True, False])
-def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(complex_):
+@pytest.mark.parametrize("complex_,b_gate", [(True, None), (False, None), (True, "sigmoid"), (False, "hard")])
+def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(complex_, b_gate):
     """read_gate=True: the same layer at init (its x_proj rows start at zero, r_t = 1), gradients reach those rows,
     and once they are non-zero the readout is Re(C_h (r_t x_t)) with r_t from u_t; steps still equal one pass;
     backend='kernel' is refused when built."""
     torch.manual_seed(0)
-    plain = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_).double()
+    plain = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_, b_gate=b_gate).double()
     torch.manual_seed(0)
-    gated = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_, read_gate=True).double()
+    gated = FlashPDSSM(48, num_heads=4, dict_size=4, complex=complex_, b_gate=b_gate, read_gate=True).double()
     H, N = gated.num_heads, gated.state_size
     n_read = (2 if complex_ else 1) * N
     rows = gated.x_proj.weight.view(H, -1, 48)

@@ -93,7 +93,7 @@ class FlashPDSSM(nn.Module):
         if not isinstance(read_gate, bool):
             raise ValueError(f"FlashPDSSM: read_gate must be True or False, got {read_gate!r}")
         self.read_gate = read_gate
-        self._check_kernel_sizes()
+        self._check_kernel_backend()
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
         if b_gate not in self.B_GATES:
@@ -220,12 +220,13 @@ class FlashPDSSM(nn.Module):
             b = torch.view_as_complex(b_parts if b_parts.stride(-1) == 1 else b_parts.contiguous())
         else:
             D, b = mag, b_parts[..., 0]
+        g = K + N + (N if self.complex else 0)   # the b-gate's column (the read gate's come after it)
         if self.b_gate == "off":
             b = torch.zeros_like(b)
         elif self.b_gate == "sigmoid":
-            b = b * torch.sigmoid(proj[..., -1:])
+            b = b * torch.sigmoid(proj[..., g:g + 1])
         elif self.b_gate == "hard":  # exactly 0 for gate logits <= -0.5: ordinary tokens can inject nothing
-            b = b * (0.5 + proj[..., -1:]).clamp(0, 1)
+            b = b * (0.5 + proj[..., g:g + 1]).clamp(0, 1)
         elif self.b_gate == "decay":  # b scaled by 1 - |D| (Mamba-style): a state that keeps, takes nothing in
             b = b * (1 - mag if self.unit_snap else torch.sigmoid(a))  # 1 - |D_t|
         r = None
@@ -313,7 +314,7 @@ class FlashPDSSM(nn.Module):
             return "has no read gate; use backend='auto' (the torch path) with read_gate=True"
         return None
 
-    def _check_kernel_sizes(self) -> None:
+    def _check_kernel_backend(self) -> None:
         """backend='kernel' on a layer the fused op does not serve: an error, never a silent torch path."""
         why = self._fused_refusal()
         if self.backend == "kernel" and why:
@@ -326,7 +327,7 @@ class FlashPDSSM(nn.Module):
         # where the middle runs as one Triton kernel per (sequence, head) (triton_middle.py) it needs no pd_scan
         # extension
         if self._fused_refusal():
-            self._check_kernel_sizes()
+            self._check_kernel_backend()
             return False
         one_kernel = u.is_cuda and fused.one_kernel_pays(u.shape[0], self.num_heads, self.state_size, u.shape[1],
                                                          u.device)
