@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache
 
+from llm_surgery.host_kernels import keep_cpu_convolutions_in_torch
 from llm_surgery.layers.common import check_mask_values
 
 from . import state
@@ -220,7 +221,6 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
     taken = [s.layer_idx for s in specs if hasattr(base.layers[s.layer_idx], "pre_ssm")]
     if taken:
         raise ValueError(f"decoder layers {taken} already have a 'pre_ssm' attribute; insert into a fresh host")
-    from ..host_kernels import keep_cpu_convolutions_in_torch
     keep_cpu_convolutions_in_torch()  # a host on the CPU must run where causal-conv1d (CUDA only) is installed
     hidden, eps = int(base.config.hidden_size), norm_eps(base)
     blocks = [_build_block(s, hidden, eps, *dtype_and_device(base.layers[s.layer_idx])) for s in specs]

@@ -48,6 +48,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _scored_positions(length: int, span: int) -> int:
+    """The positions the LM head runs on in a graph: the completion span rounded up to SPAN_MULTIPLE, at most the
+    padded length."""
+    return min(length, _round_up(span, SPAN_MULTIPLE))
+
+
 def run_shapes(sampler, data, micro_batches_done: int, count: int) -> Counter:
     """How often each graph shape (batch, padded length, scored span) occurs in this rank's next `count`
     micro-batches, as the collator (`pad_to_multiple_of=LENGTH_MULTIPLE`, left padding) and `GraphedLoss` make them."""
@@ -59,8 +65,7 @@ def run_shapes(sampler, data, micro_batches_done: int, count: int) -> Counter:
     shapes = Counter()
     for shard in sampler.ahead(micro_batches_done, count):
         length = _round_up(max(sizes[i][0] for i in shard), LENGTH_MULTIPLE)
-        span = min(length, _round_up(max(sizes[i][1] for i in shard), SPAN_MULTIPLE))
-        shapes[len(shard), length, span] += 1
+        shapes[len(shard), length, _scored_positions(length, max(sizes[i][1] for i in shard))] += 1
     return shapes
 
 
@@ -117,7 +122,7 @@ class GraphedLoss:
 
     def __call__(self, batch: dict, span: int) -> torch.Tensor:
         ids = batch["input_ids"]
-        k = min(ids.shape[1], _round_up(span, SPAN_MULTIPLE))
+        k = _scored_positions(ids.shape[1], span)
         return self.graphs(ids, batch["attention_mask"], batch["labels"][:, -k:]).clone()
 
     def prepare(self, shapes: Counter, device) -> str:
