@@ -37,15 +37,15 @@ SEARCH_FRAC = 0.25
 PAPER_LR = 2e-3  # a tie in the search goes to the rate nearest this one
 # Mixer sizes of the comparison kinds per setting ("table1": 2 layers of width 128; a group task: one layer at
 # the width of pdssm's recipe). Whole-model counts (param_counts): Table 1 pdssm 347k, mamba2 +1.7%, deltanet -3.1%;
-# S3 pdssm 26k, mamba2 +2.3%, deltanet +0.5%; A5 (elements) 50k, +0.3%, -0.5%; A5 (generators) 39k, +0.2%, -0.6%.
+# S3 pdssm 26k, mamba2 +2.3%, deltanet +0.5%; A5 (elements, K = 60) 138k, -3.4%, +3.6%; A5 (generators) 39k, +0.2%, -0.6%.
 # Mamba2's inner width stays an integer multiple of the width (mamba-ssm's module holds it then).
 MATCHED = {
     "table1": {"mamba2": dict(num_heads=4, head_dim=96, state_size=96, n_groups=1),
                "deltanet": dict(num_heads=4, head_dim=64)},
     "s3": {"mamba2": dict(num_heads=2, head_dim=32, state_size=96, n_groups=1),
            "deltanet": dict(num_heads=3, head_dim=16, value_head_dim=32)},
-    "a5": {"mamba2": dict(num_heads=5, head_dim=16, state_size=120, n_groups=1),
-           "deltanet": dict(num_heads=6, head_dim=16)},
+    "a5": {"mamba2": dict(num_heads=10, head_dim=32, state_size=128, n_groups=2),
+           "deltanet": dict(num_heads=10, head_dim=32)},
     "a5_gen": {"mamba2": dict(num_heads=5, head_dim=16, state_size=80, n_groups=1),
                "deltanet": dict(num_heads=5, head_dim=16)},
 }
@@ -133,7 +133,8 @@ def param_report(tasks=("parity",) + GROUP_TASKS) -> str:
 def tables(rows: list[dict]) -> str:
     """The headline tables of the protocol's final runs (validation-selected weights on the test sequences):
     Table 1 (mean ± s.e. over seeds of the accuracy over lengths 40..256) and the one-layer group problems
-    (seeds at >= 99% at the longest length). One row per kind (and group task); no retries."""
+    (seeds at >= 99% at the longest length, and per seed the largest image of the group that one pdssm head tracks:
+    group_image.py). One row per kind (and group task); no retries."""
     rows = [r for r in rows if r["config"].get("name") == "protocol"]
     out = ["Table 1 under one protocol (validation-selected weights, test sequences):",
            "| model | " + " | ".join(TABLE1_TASKS) + " | Avg. | seeds | steps | lr | params |",
@@ -154,8 +155,9 @@ def tables(rows: list[dict]) -> str:
         out.append(f"| {kind} | " + " | ".join(cells) + f" | {avg} | {seeds} | {steps} | {', '.join(lrs)} | "
                    f"{mine[0]['params']:,} |")
     out += ["", "One layer, group word problems under one protocol (validation-selected weights):",
-            "| task | kind | seeds >= 99% at the longest length | acc there per seed (%) | steps | lr | params |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| task | kind | seeds >= 99% at the longest length | acc there per seed (%) | steps | lr | params | "
+            "largest image a head tracks, per seed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for task in GROUP_TASKS:
         for kind in KINDS:
             mine = sorted((r for r in rows if r["task"] == task and r["kind"] == kind), key=lambda r: r["seed"])
@@ -163,7 +165,9 @@ def tables(rows: list[dict]) -> str:
                 continue
             at = [r["acc_selected"][str(max(map(int, r["acc_selected"])))] for r in mine]
             steps = f"{min(r['steps_run'] for r in mine)}-{max(r['steps_run'] for r in mine)}"
+            images = (", ".join(str(r["group_image"]["largest"]) if "group_image" in r else "?" for r in mine)
+                      if any("group_image" in r for r in mine) else "—")
             out.append(f"| {task} | {kind} | {sum(a >= 0.99 for a in at)} of {len(at)} | "
                        f"{', '.join(f'{100 * a:.1f}' for a in at)} | {steps} | {mine[0]['config']['lr']:g} | "
-                       f"{mine[0]['params']:,} |")
+                       f"{mine[0]['params']:,} | {images} |")
     return "\n".join(out)

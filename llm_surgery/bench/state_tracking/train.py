@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.flash_pdssm import tau_schedule
+from . import group_image
 from .graphed_step import GraphedTrainStep, optimizer_step
 from .model import StateTracker
 from .resume import config_dict, load_result, load_run, save_result, save_run
@@ -136,7 +137,9 @@ ONE_LAYER_RECIPES = {
     "s3_gen": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False)),
     "s3": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False)),
     "a5_gen": dict(n_layers=1, d_model=80, mixer=dict(num_heads=16, state_size=5, dict_size=4, complex=False)),
-    "a5": dict(n_layers=1, d_model=80, mixer=dict(num_heads=16, state_size=5, dict_size=8, complex=False)),
+    # one member per element (the paper's K = |alphabet|): A5 is simple, so a head tracks all 60 elements or none,
+    # and each token selects one member; with K = 8 no head can (group_image.py, BENCHMARKS.md)
+    "a5": dict(n_layers=1, d_model=80, mixer=dict(num_heads=16, state_size=5, dict_size=60, complex=False)),
 }
 
 
@@ -472,6 +475,8 @@ def train_once(cfg: TrainConfig, log=None, run_dir: str | None = None, deadline:
         "seconds": round(time.time() - t_start, 1), "train_seconds": round(run.seconds, 1),
         "params": sum(p.numel() for p in run.model.parameters()), **selected, "config": config_dict(cfg),
     }
+    if group_image.readable(run.model, task):  # what the (selected) dictionary does on a group word problem
+        result["group_image"] = group_image.summary(run.model, task)
     if run_dir is not None:
         save_result(result, run_dir)
     return result

@@ -1,0 +1,98 @@
+"""What a learned Flash PD-SSM dictionary does on a group word problem.
+
+A head tracks a group G exactly when the state map its tokens select depends only on the product of the word read
+so far: the maps then form a homomorphic image of G (the "tracked quotient"). For S3 that image is S3 itself
+(6 maps), its sign (2 maps: only odd against even) or nothing (1 map); A5 is simple, so a head tracks all 60 elements
+or none, and needs a dictionary of at least 60 members to do so (one member per element: each token selects one
+member). `summary(model, task)` finds, per head of the first layer, whether its maps are consistent with G and the
+size of their image, by walking the (group element, state map) pairs that words reach.
+
+Only the first layer of a model whose Flash PD-SSM layer has no convolution (`conv_kernel=1`, the one-layer
+recipes) selects its transition from the current token alone; other models are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layers import FlashPDSSM
+from .tasks import GENERATORS, Task, compose_table, permutation_group
+
+
+def _token_driven(model) -> bool:
+    """The first layer is a Flash PD-SSM without convolution: each transition depends on its token alone."""
+    mixer = model.blocks[0].mixer
+    return isinstance(mixer, FlashPDSSM) and mixer.conv1d.kernel_size[0] == 1
+
+
+def readable(model, task: Task) -> bool:
+    """Whether `summary` applies: a group word problem and a token-driven first layer."""
+    return task.name.split("_")[0] in GENERATORS and _token_driven(model)
+
+
+def token_transitions(model, task: Task) -> torch.Tensor:
+    """[H, S, N] destinations: the state map that symbol token s selects in head h of the first layer."""
+    if not _token_driven(model):
+        raise ValueError("group_image needs a first layer of kind pdssm with conv_kernel=1 (its transition then "
+                         "depends on the current token only)")
+    mixer, captured = model.blocks[0].mixer, {}
+
+    def capture(u, attention_mask, x0):
+        captured["kstar"] = mixer._ssm_inputs(u)[0].argmax(-1)[0]      # [H, S]
+        return scan_and_read(u, attention_mask, x0)
+
+    scan_and_read = mixer._scan_and_read
+    mixer._scan_and_read = capture
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            model(torch.arange(task.num_symbols, device=device)[None])
+    finally:
+        mixer.__dict__.pop("_scan_and_read", None)
+    P = mixer.transitions().long()                                      # [H, K, N]
+    return torch.gather(P, 1, captured["kstar"][..., None].expand(-1, -1, P.shape[-1]).long()).cpu()
+
+
+def symbol_elements(task: Task) -> tuple[list[int], torch.Tensor]:
+    """Each symbol's group element (index into the group's elements) and the group's composition table."""
+    base = task.name.split("_")[0]
+    if base not in GENERATORS:
+        raise ValueError(f"task {task.name!r} is not a group word problem (s3, a5, s3_gen, a5_gen)")
+    perms = permutation_group(3 if base == "s3" else 5, alternating=base == "a5")
+    table = compose_table(perms)
+    if task.name.endswith("_gen"):
+        index = {p: i for i, p in enumerate(perms)}
+        return [index[g] for g in GENERATORS[base]], table
+    return list(range(len(perms))), table
+
+
+def head_image(P: torch.Tensor, elements: list[int], table: torch.Tensor) -> int | None:
+    """The size of the image of G under one head's token maps P [S, N], or None where the head's state map is not a
+    function of the group element (two words with the same product reach different maps)."""
+    maps = [tuple(p.tolist()) for p in P]
+    start = tuple(range(P.shape[-1]))
+    seen = {0: start}                                   # group element (0 = identity) -> the state map reached
+    todo = [0]
+    while todo:
+        g = todo.pop()
+        where = seen[g]
+        for s, e in enumerate(elements):
+            h = int(table[e, g])                         # the symbol's element applied after g
+            nxt = tuple(maps[s][m] for m in where)       # entry m, at where[m], moves on to maps[s][where[m]]
+            if h not in seen:
+                seen[h] = nxt
+                todo.append(h)
+            elif seen[h] != nxt:
+                return None
+    return len(set(seen.values()))
+
+
+def summary(model, task: Task) -> dict:
+    """Per head of the first layer: the tracked image's size (None: the head tracks no function of the group), and
+    the counts of heads that track the whole group (`faithful`) or a proper quotient other than the trivial one."""
+    elements, table = symbol_elements(task)
+    order = table.shape[0]
+    images = [head_image(P, elements, table) for P in token_transitions(model, task)]
+    tracked = [i for i in images if i is not None]
+    return {"images": images, "group_order": order, "faithful": sum(i == order for i in tracked),
+            "quotient": sum(1 < i < order for i in tracked), "largest": max(tracked, default=0)}
