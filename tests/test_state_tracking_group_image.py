@@ -27,6 +27,22 @@ def test_faithful_sign_trivial_and_inconsistent_heads_of_s3():
     assert group_image.head_image(wrong, elements, table) is None             # (0 1)(0 1) = e, but 3-cycle^2 != id
 
 
+def test_natural_agreement_counts_tokens_under_the_best_relabelling():
+    task = get_task("s3")
+    elements, _ = group_image.symbol_elements(task)
+    perms = group_image.group_elements(task)
+    faithful = torch.tensor([perms[e] for e in elements])
+    sigma = [2, 0, 1]                                            # entry sigma[i] holds point i
+    relabelled = torch.tensor([[sigma[perms[e][sigma.index(j)]] for j in range(3)] for e in elements])
+    assert not torch.equal(relabelled, faithful)
+    assert group_image.natural_agreement(relabelled, elements, perms) == 6
+    near = faithful.clone()
+    near[4] = near[5]                                            # one token shares another's member
+    assert group_image.natural_agreement(near, elements, perms) == 5
+    assert group_image.head_image(near, elements, table=group_image.symbol_elements(task)[1]) is None
+    assert group_image.natural_agreement(torch.zeros(6, 4, dtype=torch.long), elements, perms) is None   # N != 3
+
+
 def test_a5_generators_faithful_only_as_themselves():
     task = get_task("a5_gen")
     elements, table = group_image.symbol_elements(task)
@@ -54,7 +70,8 @@ def test_token_transitions_are_what_the_layer_selects_in_a_sequence():
                          seen["k"][..., None].expand(-1, -1, -1, mixer.state_size).long())   # [B, H, L, N]
     assert torch.equal(P_seq, P_tok[:, tokens].permute(1, 0, 2, 3))
     s = group_image.summary(model, task)
-    assert len(s["images"]) == mixer.num_heads and s["group_order"] == 6
+    assert len(s["images"]) == mixer.num_heads and s["group_order"] == 6 and s["symbols"] == 6
+    assert s["closest"] == max(s["natural_tokens"]) and 0 <= s["closest"] <= 6
 
 
 def test_refuses_what_it_cannot_read():

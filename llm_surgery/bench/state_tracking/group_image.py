@@ -5,13 +5,16 @@ so far: the maps then form a homomorphic image of G (the "tracked quotient"). Fo
 (6 maps), its sign (2 maps: only odd against even) or nothing (1 map); A5 is simple, so a head tracks all 60 elements
 or none, and needs a dictionary of at least 60 members to do so (one member per element: each token selects one
 member). `summary(model, task)` finds, per head of the first layer, whether its maps are consistent with G and the
-size of their image, by walking the (group element, state map) pairs that words reach.
+size of their image, by walking the (group element, state map) pairs that words reach, and how many tokens'
+maps are the group's natural action on the head's N entries (a near miss shows as all tokens but one).
 
 Only the first layer of a model whose Flash PD-SSM layer has no convolution (`conv_kernel=1`, the one-layer
 recipes) selects its transition from the current token alone; other models are refused.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -53,12 +56,18 @@ def token_transitions(model, task: Task) -> torch.Tensor:
     return torch.gather(P, 1, captured["kstar"][..., None].expand(-1, -1, P.shape[-1]).long()).cpu()
 
 
-def symbol_elements(task: Task) -> tuple[list[int], torch.Tensor]:
-    """Each symbol's group element (index into the group's elements) and the group's composition table."""
+def group_elements(task: Task) -> list[tuple[int, ...]]:
+    """The group's elements as permutations (the tasks' order: index = class label)."""
     base = task.name.split("_")[0]
     if base not in GENERATORS:
         raise ValueError(f"task {task.name!r} is not a group word problem (s3, a5, s3_gen, a5_gen)")
-    perms = permutation_group(3 if base == "s3" else 5, alternating=base == "a5")
+    return permutation_group(3 if base == "s3" else 5, alternating=base == "a5")
+
+
+def symbol_elements(task: Task) -> tuple[list[int], torch.Tensor]:
+    """Each symbol's group element (index into the group's elements) and the group's composition table."""
+    base = task.name.split("_")[0]
+    perms = group_elements(task)
     table = compose_table(perms)
     if task.name.endswith("_gen"):
         index = {p: i for i, p in enumerate(perms)}
@@ -87,12 +96,39 @@ def head_image(P: torch.Tensor, elements: list[int], table: torch.Tensor) -> int
     return len(set(seen.values()))
 
 
+def natural_agreement(P: torch.Tensor, elements: list[int], perms: list[tuple[int, ...]]) -> int | None:
+    """How many tokens' maps P [S, N] are the group's natural action on N points (each element permuting the points
+    as itself), under the best relabelling of the N state entries; None where N is not the group's degree. A head
+    one token short of all is a near miss that a straight-through gradient has to leave by moving that token to
+    another member."""
+    n = len(perms[0])
+    if P.shape[-1] != n:
+        return None
+    maps = [tuple(p.tolist()) for p in P]
+    best = 0
+    for sigma in itertools.permutations(range(n)):      # state entry sigma[i] holds point i
+        natural = []
+        for e in elements:
+            q = [0] * n
+            for i in range(n):
+                q[sigma[i]] = sigma[perms[e][i]]
+            natural.append(tuple(q))
+        best = max(best, sum(a == b for a, b in zip(maps, natural)))
+    return best
+
+
 def summary(model, task: Task) -> dict:
-    """Per head of the first layer: the tracked image's size (None: the head tracks no function of the group), and
-    the counts of heads that track the whole group (`faithful`) or a proper quotient other than the trivial one."""
+    """Per head of the first layer: the tracked image's size (`images`; None: no function of the group) and the
+    tokens it maps as the natural action (`natural_tokens`, of `symbols`); the heads that track the whole group
+    (`faithful`) or a quotient between it and the trivial one, the largest image and the closest head."""
     elements, table = symbol_elements(task)
+    perms = group_elements(task)
     order = table.shape[0]
-    images = [head_image(P, elements, table) for P in token_transitions(model, task)]
+    P_all = token_transitions(model, task)
+    images = [head_image(P, elements, table) for P in P_all]
+    natural = [natural_agreement(P, elements, perms) for P in P_all]
     tracked = [i for i in images if i is not None]
     return {"images": images, "group_order": order, "faithful": sum(i == order for i in tracked),
-            "quotient": sum(1 < i < order for i in tracked), "largest": max(tracked, default=0)}
+            "quotient": sum(1 < i < order for i in tracked), "largest": max(tracked, default=0),
+            "natural_tokens": natural, "symbols": len(elements),
+            "closest": max((a for a in natural if a is not None), default=None)}

@@ -156,7 +156,7 @@ def tables(rows: list[dict]) -> str:
                    f"{mine[0]['params']:,} |")
     out += ["", "One layer, group word problems under one protocol (validation-selected weights):",
             "| task | kind | seeds >= 99% at the longest length | acc there per seed (%) | steps | lr | params | "
-            "largest image a head tracks, per seed |",
+            "largest image a head tracks (tokens on the natural action, best head), per seed |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for task in GROUP_TASKS:
         for kind in KINDS:
@@ -165,9 +165,17 @@ def tables(rows: list[dict]) -> str:
                 continue
             at = [r["acc_selected"][str(max(map(int, r["acc_selected"])))] for r in mine]
             steps = f"{min(r['steps_run'] for r in mine)}-{max(r['steps_run'] for r in mine)}"
-            images = (", ".join(str(r["group_image"]["largest"]) if "group_image" in r else "?" for r in mine)
+            images = (", ".join(_image_cell(r.get("group_image")) for r in mine)
                       if any("group_image" in r for r in mine) else "—")
             out.append(f"| {task} | {kind} | {sum(a >= 0.99 for a in at)} of {len(at)} | "
                        f"{', '.join(f'{100 * a:.1f}' for a in at)} | {steps} | {mine[0]['config']['lr']:g} | "
                        f"{mine[0]['params']:,} | {images} |")
     return "\n".join(out)
+
+
+def _image_cell(g: dict | None) -> str:
+    """'6 (6/6)': the largest image of the group one head tracks, and the most tokens one head maps as the group's
+    natural action (group_image.summary); '?' for a run without it."""
+    if g is None:
+        return "?"
+    return f"{g['largest']}" + (f" ({g['closest']}/{g['symbols']})" if g.get("closest") is not None else "")
