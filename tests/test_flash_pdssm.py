@@ -1,6 +1,7 @@
 """The Flash PD-SSM layer: Mixer contract (state continuation, padding, dtypes), memory shape, errors."""
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -374,3 +375,18 @@ def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(com
         FlashPDSSM(48, num_heads=4, read_gate=True, backend="kernel")
     with pytest.raises(ValueError, match="read_gate must be True or False"):
         FlashPDSSM(48, num_heads=4, read_gate="yes")
+
+
+def test_distinct_init_draws_different_members_per_head():
+    """A duplicate member is lost (no token selects it, so it gets no gradient): up to N! members are all distinct,
+    beyond that every permutation is there; each is a permutation, and the layer's members start on them."""
+    from llm_surgery.layers.flash_pdssm import distinct_permutations
+    torch.manual_seed(0)
+    for K, N in ((6, 3), (8, 3), (60, 5), (2, 2), (16, 12)):
+        P = distinct_permutations(K, N)
+        assert P.shape == (K, N) and torch.equal(P.sort(-1).values, torch.arange(N).expand(K, N))
+        assert len({tuple(p) for p in P.tolist()}) == min(K, math.factorial(N))
+    layer = FlashPDSSM(48, num_heads=16, state_size=3, dict_size=8, dict_init="distinct")
+    T = layer.transitions().long()
+    distinct = [len({tuple(m) for m in T[h].tolist() if sorted(m) == [0, 1, 2]}) for h in range(16)]
+    assert sum(d == 6 for d in distinct) >= 12, distinct   # random members (with repeats) cover S3 in ~11% of heads

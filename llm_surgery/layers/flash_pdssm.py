@@ -11,6 +11,8 @@ Memory is O(B*L*H*N + H*K*N*N): per token only an int16 index vector and a diago
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from contextlib import nullcontext
 
@@ -39,6 +41,23 @@ def tau_schedule(step: int, total_steps: int, start: float = 1.0, end: float = 0
         return end
     frac = min(1.0, max(0.0, step / total_steps))
     return float(start * (end / start) ** frac)
+
+
+@functools.lru_cache(maxsize=None)
+def _every_permutation(N: int) -> torch.Tensor:
+    return torch.tensor(list(itertools.permutations(range(N))))
+
+
+def distinct_permutations(K: int, N: int) -> torch.Tensor:
+    """[K, N] random permutations of N entries, all distinct while K <= N! (then every one of them, in random order,
+    repeated). A duplicate member is a member lost: no token selects it, so it gets no gradient and never becomes
+    the transition a head still lacks (an S3 head with K = 8 random members misses one of the 6 permutations 89%
+    of the time). Beyond N = 8, independent draws, which collide with probability below K^2 / (2 N!)."""
+    if N > 8:
+        return torch.stack([torch.randperm(N) for _ in range(K)])
+    every = _every_permutation(N)
+    order = torch.cat([torch.randperm(len(every)) for _ in range(-(-K // len(every)))])[:K]
+    return every[order]
 
 
 class FlashPDSSM(nn.Module):
@@ -175,18 +194,21 @@ class FlashPDSSM(nn.Module):
             held = self._tau_held = torch.tensor(self._tau, dtype=torch.float32, device=device)
         return held
 
-    DICT_INITS = ("normal", "permutation", "identity")
+    DICT_INITS = ("normal", "permutation", "distinct", "identity")
     B_GATES = fused.B_GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
 
     @staticmethod
     def _init_dictionary(H: int, K: int, N: int, how: str) -> torch.Tensor:
-        """normal: random maps (PD-SSM's init); permutation: random permutations with a margin; identity:
-        every member starts as the identity with a margin, so the layer begins as a diagonal SSM."""
+        """normal: random maps (PD-SSM's init); permutation: random permutations with a margin; distinct: the same,
+        all different within a head (`distinct_permutations`); identity: every member starts as the identity with a
+        margin, so the layer begins as a diagonal SSM."""
         M = torch.randn(H, K, N, N) / math.sqrt(N)
         if how == "normal":
             return M
         if how == "permutation":
             dest = torch.stack([torch.randperm(N) for _ in range(H * K)]).view(H, K, 1, N)
+        elif how == "distinct":
+            dest = torch.stack([distinct_permutations(K, N) for _ in range(H)]).view(H, K, 1, N)
         else:
             dest = torch.arange(N).expand(H, K, 1, N)
         return M.scatter_add_(-2, dest, torch.full((H, K, 1, N), 3.0 / math.sqrt(N)))

@@ -135,11 +135,17 @@ KIND_DEFAULTS = {"pdssm": dict(curriculum_frac=0.3, retries=1)}
 # number of points the group permutes; the options not named here are the CLI defaults above.
 ONE_LAYER_RECIPES = {
     "s3_gen": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False)),
-    "s3": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False)),
+    # element tokens: a head needs every one of the group's permutations among its members, and a member no token
+    # selects gets no gradient, so the members start all different ("distinct"; random ones with repeats left S3
+    # one permutation short in 3 of 5 seeds: docs/bench/state_tracking.md)
+    "s3": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False,
+                                                  dict_init="distinct")),
     "a5_gen": dict(n_layers=1, d_model=80, mixer=dict(num_heads=16, state_size=5, dict_size=4, complex=False)),
-    # one member per element (the paper's K = |alphabet|): A5 is simple, so a head tracks all 60 elements or none,
-    # and each token selects one member; with K = 8 no head can (group_image.py, BENCHMARKS.md)
-    "a5": dict(n_layers=1, d_model=80, mixer=dict(num_heads=16, state_size=5, dict_size=60, complex=False)),
+    # A5 is simple, so a head tracks all 60 elements or none, and each token selects one member: K >= 60 (the
+    # paper's K = |alphabet|; with K = 8 no head can: group_image.py, BENCHMARKS.md). Its natural action needs all
+    # 60 even permutations of 5 entries among the members: K = 120 distinct members are every permutation.
+    "a5": dict(n_layers=1, d_model=80, mixer=dict(num_heads=4, state_size=5, dict_size=120, complex=False,
+                                                  dict_init="distinct")),
 }
 
 
