@@ -23,7 +23,9 @@ def test_plan_covers_both_issues_with_the_cli_defaults():
     g = [c for c in cfgs if c.kind == "pdssm" and c.task in gpu.GROUP_TASKS]
     assert len(g) == 20 and all(c.n_layers == 1 for c in g)
     default = gpu.cli_defaults("pdssm", n_layers=1)
-    assert all(c.mixer.items() >= default.mixer.items() and c.restarts == default.restarts for c in g)
+    # the one-layer preset, with the task's recipe over it (sizes; the element tasks' dictionary init)
+    assert all(c.mixer == {**default.mixer, **gpu.ONE_LAYER_RECIPES[c.task]["mixer"]} and c.restarts == default.restarts
+               for c in g)
     assert all(c.d_model == 128 and c.batch_size == 256 and c.lr == 2e-3 for c in cfgs if c.n_layers == 2)
     t1 = [c.mixer for c in cfgs if c.kind == "pdssm" and c.n_layers == 2]  # the default preset's seeds first
     assert t1[:2 * len(gpu.TABLE1_TASKS)] == [gpu.PDSSM_PRESETS["automaton"]] * 2 * len(gpu.TABLE1_TASKS)
