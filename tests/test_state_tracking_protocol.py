@@ -62,3 +62,17 @@ def test_learning_rate_is_chosen_on_validation_never_on_test():
     rows.append({**rows[0], "val_best": 1.0, "config": {"name": "protocol", "lr": 1e-3}})  # a reported run
     chosen = protocol.select_lr(rows)
     assert chosen == {("mamba2", "parity"): protocol.LR_GRID[1], ("deltanet", "parity"): protocol.PAPER_LR}
+
+
+def test_tables_count_the_later_result_of_a_run():
+    """A task run again (a later file of --summarize a,b) replaces the earlier rows of the same kind, task and seed."""
+    def row(seed, acc, dict_init):
+        cfg = config_dict(protocol.config("pdssm", "s3", seed, 2e-3))
+        cfg["mixer"]["dict_init"] = dict_init
+        return {"kind": "pdssm", "task": "s3", "seed": seed, "acc_selected": {"256": acc}, "steps_run": 10,
+                "params": 1, "config": cfg}
+    old = [row(s, 0.3, "permutation") for s in range(5)]
+    new = [row(s, 1.0, "distinct") for s in range(5)]
+    assert "| s3 | pdssm | 0 of 5 |" in protocol.tables(old)
+    assert "| s3 | pdssm | 5 of 5 |" in protocol.tables(old + new)
+    assert "| s3 | pdssm | 0 of 5 |" in protocol.tables(new + old)

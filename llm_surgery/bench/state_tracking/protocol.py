@@ -134,8 +134,9 @@ def tables(rows: list[dict]) -> str:
     """The headline tables of the protocol's final runs (validation-selected weights on the test sequences):
     Table 1 (mean ± s.e. over seeds of the accuracy over lengths 40..256) and the one-layer group problems
     (seeds at >= 99% at the longest length, and per seed the largest image of the group that one pdssm head tracks:
-    group_image.py). One row per kind (and group task); no retries."""
-    rows = [r for r in rows if r["config"].get("name") == "protocol"]
+    group_image.py). One row per kind (and group task); no retries. Of two results of one (kind, task, seed), the
+    later in `rows` counts: a task run again (with a changed recipe, in a later call's file) replaces the earlier."""
+    rows = list({(r["kind"], r["task"], r["seed"]): r for r in rows if r["config"].get("name") == "protocol"}.values())
     out = ["Table 1 under one protocol (validation-selected weights, test sequences):",
            "| model | " + " | ".join(TABLE1_TASKS) + " | Avg. | seeds | steps | lr | params |",
            "| --- " * (len(TABLE1_TASKS) + 6) + "|"]
