@@ -378,8 +378,8 @@ def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(com
 
 
 def test_distinct_init_draws_different_members_per_head():
-    """A duplicate member is lost (no token selects it, so it gets no gradient): up to N! members are all distinct,
-    beyond that every permutation is there; each is a permutation, and the layer's members start on them."""
+    """Members drawn with repeats leave heads short of transitions: up to N! members are all distinct, beyond that
+    every permutation is there; each is a permutation, and the layer's members start on them."""
     from llm_surgery.layers.flash_pdssm import distinct_permutations
     torch.manual_seed(0)
     for K, N in ((6, 3), (8, 3), (60, 5), (2, 2), (16, 12)):

@@ -50,9 +50,10 @@ def _every_permutation(N: int) -> torch.Tensor:
 
 def distinct_permutations(K: int, N: int) -> torch.Tensor:
     """[K, N] random permutations of N entries, all distinct while K <= N! (then every one of them, in random order,
-    repeated). A duplicate member is a member lost: no token selects it, so it gets no gradient and never becomes
-    the transition a head still lacks (an S3 head with K = 8 random members misses one of the 6 permutations 89%
-    of the time). Beyond N = 8, independent draws, which collide with probability below K^2 / (2 N!)."""
+    repeated). A duplicate adds no transition a token can select, and a member that no token selects gets no
+    gradient, so it never becomes the transition a head still lacks (an S3 head of K = 8 members drawn with repeats
+    lacks one of the 6 permutations 89% of the time). Beyond N = 8, independent draws, which collide with
+    probability below K^2 / (2 N!)."""
     if N > 8:
         return torch.stack([torch.randperm(N) for _ in range(K)])
     every = _every_permutation(N)
