@@ -7,8 +7,8 @@ import torch
 
 from llm_surgery.bench.state_tracking.__main__ import _seeds, main, parse_args as parse_cli, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
-from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, PDSSM_PRESETS, TrainConfig,
-                                                    TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
+from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRESETS,
+                                                    TrainConfig, TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
                                                     held_out_generator, lr_at, max_train_len, needs_retry,
                                                     param_groups, preset_for, progress, train)
 from llm_surgery.bench.state_tracking.tasks import get_task
@@ -233,6 +233,12 @@ def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
           "--eval-lengths", "40", "--eval-batch", "4", "--retries", "1", "--retry-loss", "1e-9", "--out", str(out)])
     retried = json.loads(out.read_text().splitlines()[-1])   # 2 steps never fit: one retry, then the result
     assert retried["config"]["attempt"] == 1 and len(retried["earlier_attempts"]) == 1
+    main(["--task", "s3", "--steps", "1", "--seeds", "1", "--layers", "1", "--batch-size", "4", "--eval-lengths", "40",
+          "--eval-batch", "4", "--mixer", '{"dict_size": 6}', "--out", str(out)])
+    s3 = json.loads(out.read_text().splitlines()[-1])   # a group task at one layer: its recipe, under the flags
+    assert s3["config"]["d_model"] == ONE_LAYER_RECIPES["s3"]["d_model"]
+    expected = {**PDSSM_PRESETS["robust"], **ONE_LAYER_RECIPES["s3"]["mixer"], "dict_size": 6}
+    assert s3["config"]["mixer"] == json.loads(json.dumps(expected))
     text = capsys.readouterr().out
     assert "| pdssm | parity | 2 |" in text and "validation-selected" in text
     with pytest.raises(SystemExit):

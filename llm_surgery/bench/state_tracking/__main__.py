@@ -13,8 +13,8 @@ import time
 
 from .resume import run_dir_name
 from .tasks import TABLE1_TASKS, TASKS
-from .train import (DEFAULT_PRESET, KIND_DEFAULTS, PDSSM_PRESETS, ROBUST_PDSSM, cli_defaults, quick_triton_autotune,
-                    train, train_one_thread)
+from .train import (DEFAULT_PRESET, KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRESETS, ROBUST_PDSSM, cli_defaults,
+                    quick_triton_autotune, train, train_one_thread)
 
 
 def parse_args(argv=None):
@@ -27,7 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="append one JSON line per run to this file")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=None,
+                   help="width (default 128; a one-layer pdssm on a group task: its recipe's, ONE_LAYER_RECIPES)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--adam-eps", type=float, default=None, help="Adam's epsilon (default: the preset's, else 1e-8)")
@@ -123,9 +124,12 @@ def main(argv=None) -> int:
     configs = []
     for kind in args.kind.split(","):
         for task in tasks:
+            # a one-layer pdssm on a group task starts from that task's recipe (sizes, dictionary); flags win
+            recipe = ONE_LAYER_RECIPES.get(task, {}) if kind == "pdssm" and args.layers == 1 else {}
             for seed in _seeds(args.seeds):
                 configs.append(cli_defaults(
-                    kind, preset=args.preset, mixer=extra, task=task, n_layers=args.layers, d_model=args.d_model,
+                    kind, preset=args.preset, mixer={**recipe.get("mixer", {}), **extra}, task=task,
+                    n_layers=args.layers, d_model=args.d_model or recipe.get("d_model", 128),
                     steps=args.steps, batch_size=args.batch_size, lr=args.lr, adam_eps=args.adam_eps,
                     curriculum_frac=args.curriculum,
                     curriculum_mode=args.curriculum_mode, curriculum_threshold=args.curriculum_threshold,
