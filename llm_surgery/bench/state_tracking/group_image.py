@@ -14,6 +14,7 @@ recipes) selects its transition from the current token alone; other models are r
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -101,20 +102,28 @@ def natural_agreement(P: torch.Tensor, elements: list[int], perms: list[tuple[in
     as itself), under the best relabelling of the N state entries; None where N is not the group's degree. A head
     one token short of all is a near miss that a straight-through gradient has to leave by moving that token to
     another member."""
-    n = len(perms[0])
-    if P.shape[-1] != n:
+    if P.shape[-1] != len(perms[0]):
         return None
     maps = [tuple(p.tolist()) for p in P]
-    best = 0
-    for sigma in itertools.permutations(range(n)):      # state entry sigma[i] holds point i
+    candidates = _relabelled_actions(tuple(elements), tuple(perms))
+    return max(sum(a == b for a, b in zip(maps, natural)) for natural in candidates)
+
+
+@functools.lru_cache(maxsize=None)
+def _relabelled_actions(elements: tuple[int, ...], perms: tuple[tuple[int, ...], ...]) -> list[list[tuple[int, ...]]]:
+    """The tokens' natural maps under every relabelling sigma of the entries (entry sigma[i] holds point i): the same
+    for every head, so computed once per task."""
+    n = len(perms[0])
+    out = []
+    for sigma in itertools.permutations(range(n)):
         natural = []
         for e in elements:
             q = [0] * n
             for i in range(n):
                 q[sigma[i]] = sigma[perms[e][i]]
             natural.append(tuple(q))
-        best = max(best, sum(a == b for a, b in zip(maps, natural)))
-    return best
+        out.append(natural)
+    return out
 
 
 def summary(model, task: Task) -> dict:
