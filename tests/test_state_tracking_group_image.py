@@ -13,7 +13,7 @@ def _sign(p):
     return (-1) ** sum(p[i] > p[j] for i in range(len(p)) for j in range(i + 1, len(p)))
 
 
-def test_faithful_sign_trivial_and_inconsistent_heads_of_s3():
+def test_faithful_sign_trivial_and_inconsistent_heads_of_the_symmetric_group():
     elements, table = group_image.symbol_elements(get_task("s3"))
     perms = permutation_group(3)
     faithful = torch.tensor([perms[e] for e in elements])                      # each token its own permutation
