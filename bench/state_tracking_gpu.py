@@ -137,12 +137,15 @@ def protocol_plan(args, chosen: dict | None = None) -> list[TrainConfig]:
     if set(only) - set(tasks) or args.protocol_seeds < 1:
         raise SystemExit(f"--protocol-tasks must name tasks of {args.protocol} ({', '.join(tasks)}) and "
                          f"--protocol-seeds be >= 1, got {args.protocol_tasks!r}, {args.protocol_seeds}")
+    kinds = [k for k in args.protocol_kinds.split(",") if k]
+    if not kinds or set(kinds) - set(protocol.KINDS):
+        raise SystemExit(f"--protocol-kinds must name kinds of {', '.join(protocol.KINDS)}, got {args.protocol_kinds!r}")
     tasks = [t for t in tasks if not only or t in only]
     common = dict(device=args.device, eval_batch=args.eval_batch)
     if chosen is None:
-        cfgs = protocol.search_configs(protocol.KINDS, tasks, **common)
+        cfgs = protocol.search_configs(kinds, tasks, **common)
     else:
-        cfgs = protocol.final_configs(protocol.KINDS, tasks, args.protocol_seeds, chosen, **common)
+        cfgs = protocol.final_configs(kinds, tasks, args.protocol_seeds, chosen, **common)
     if args.quick:  # the steps scaled down as in the protocol (the search trains SEARCH_FRAC of them)
         cfgs = [replace(c, steps=QUICK_STEPS if c.name == "protocol" else round(protocol.SEARCH_FRAC * QUICK_STEPS),
                         eval_every=QUICK_STEPS // 8) for c in tiny_models(cfgs)]
@@ -424,6 +427,8 @@ def parse_args(argv=None):
                          "rates; fixed steps (resume across calls with --checkpoint-dir and --pause-after)")
     ap.add_argument("--protocol-seeds", type=int, default=5, help="reported seeds per kind and task (0..n-1)")
     ap.add_argument("--protocol-tasks", default="", help="only these tasks of the --protocol settings (comma list)")
+    ap.add_argument("--protocol-kinds", default=",".join(protocol.KINDS),
+                    help="only these kinds (comma list): after one kind's recipe changed, run that kind again")
     ap.add_argument("--quick", action="store_true", help="tiny models (CPU test of the whole script)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and time limits only")
     ap.add_argument("--summarize", default=None, help="print the tables of these JSONL files (comma list) and exit")

@@ -212,3 +212,17 @@ def test_runs_spread_over_gpus_round_robin(capsys):
     assert "72 runs, 80 jobs, 1 waves" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --device cuda"):
         gpu.main(["--protocol", "table1", "--gpus", "2", "--device", "cpu", "--dry-run"])
+
+
+def test_protocol_kinds_limits_the_plan_to_those_kinds(capsys):
+    """--protocol-kinds pdssm: only pdssm's search runs (the other kinds' rows of an earlier run stay valid);
+    an unknown kind is refused before any work."""
+    argv = ["--protocol", "groups", "--protocol-tasks", "s3", "--device", "cpu", "--dry-run"]
+    assert gpu.main(argv + ["--protocol-kinds", "pdssm"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines()[1:] if ln.strip()]
+    assert len(lines) == len(gpu.protocol.LR_GRID) * len(gpu.protocol.SEARCH_SEEDS)
+    assert all(ln.startswith("pdssm s3 ") for ln in lines)
+    assert gpu.main(argv) == 0
+    assert {ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:] if ln.strip()} == set(gpu.protocol.KINDS)
+    with pytest.raises(SystemExit, match="--protocol-kinds must name kinds"):
+        gpu.main(argv + ["--protocol-kinds", "pdssm,lstm"])
