@@ -390,3 +390,19 @@ def test_distinct_init_draws_different_members_per_head():
     T = layer.transitions().long()
     distinct = [len({tuple(m) for m in T[h].tolist() if sorted(m) == [0, 1, 2]}) for h in range(16)]
     assert sum(d == 6 for d in distinct) >= 12, distinct   # random members (with repeats) cover S3 in ~11% of heads
+
+
+def test_watching_inputs_sees_the_scan_input_changes_nothing_and_is_removed_after_an_error():
+    layer = _layer(complex_=False)
+    x = torch.randn(2, 7, layer.hidden_size, dtype=torch.float64)
+    seen = []
+    with torch.no_grad():
+        before = layer(x)
+        with layer.watching_inputs(lambda u, mask: seen.append((u.shape, mask))):
+            during = layer(x)
+        after = layer(x)
+    assert seen == [((2, 7, layer.d_inner), None)]
+    assert torch.equal(during, before) and torch.equal(after, before)
+    with pytest.raises(RuntimeError, match="boom"), layer.watching_inputs(lambda u, mask: None):
+        raise RuntimeError("boom")
+    assert layer._watchers == []

@@ -31,7 +31,7 @@ def test_counts_real_tokens_members_and_decays_and_restores_the_mixers():
             during = model(ids, attention_mask=mask, use_cache=False).logits
         after = model(ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(during, before)       # recording changes nothing
-    assert torch.equal(after, before) and "_scan_and_read" not in vars(first)
+    assert torch.equal(after, before) and first._watchers == []
     s = probe.summary()
     assert set(s) == set(blocks)
     one = s[next(iter(blocks))]
@@ -65,4 +65,4 @@ def test_refuses_a_model_without_pdssm_layers_and_restores_after_an_error():
     mixer = next(iter(inserted_layers(model).values())).mixer
     with pytest.raises(RuntimeError, match="boom"), SelectionProbe(model):
         raise RuntimeError("boom")
-    assert "_scan_and_read" not in vars(mixer)
+    assert mixer._watchers == []

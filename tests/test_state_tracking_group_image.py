@@ -61,11 +61,9 @@ def test_token_transitions_are_what_the_layer_selects_in_a_sequence():
     assert P_tok.shape == (mixer.num_heads, task.num_symbols, mixer.state_size)
     tokens = torch.randint(0, task.num_symbols, (2, 17), generator=torch.Generator().manual_seed(0))
     seen = {}
-    run = mixer._scan_and_read
-    mixer._scan_and_read = lambda u, m, x0: (seen.setdefault("k", mixer._ssm_inputs(u)[0].argmax(-1)), run(u, m, x0))[1]
-    with torch.no_grad():
+    with mixer.watching_inputs(lambda u, m: seen.setdefault("k", mixer._ssm_inputs(u)[0].argmax(-1))), \
+            torch.no_grad():
         model(tokens)
-    del mixer._scan_and_read
     P_seq = torch.gather(mixer.transitions().long()[None].expand(2, -1, -1, -1), 2,
                          seen["k"][..., None].expand(-1, -1, -1, mixer.state_size).long())   # [B, H, L, N]
     assert torch.equal(P_seq, P_tok[:, tokens].permute(1, 0, 2, 3))

@@ -18,6 +18,7 @@ halve within a few tokens cannot carry a box's content across the operations tha
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 
 import torch
 
@@ -46,22 +47,22 @@ class SelectionProbe:
         self.counts, self.halflife, self.surviving = {}, {}, {}
 
     def __enter__(self):
+        self._watching = ExitStack()
         for i, block in self.blocks.items():
             mixer = block.mixer
             H, K = mixer.num_heads, mixer.dict_size
             self.counts[i] = torch.zeros(H, K, dtype=torch.float64)
             self.halflife[i] = torch.zeros(H, len(_EDGES) + 1, dtype=torch.float64)
             self.surviving[i] = torch.zeros(3, dtype=torch.float64)   # sum over 16 tokens, over sequences, count
-            mixer._scan_and_read = self._recording(i, mixer, mixer._scan_and_read)
+            self._watching.enter_context(mixer.watching_inputs(self._recording(i, mixer)))
         return self
 
     def __exit__(self, *exc):
-        for block in self.blocks.values():
-            block.mixer.__dict__.pop("_scan_and_read", None)   # back to the class's method
+        self._watching.close()
         return False
 
-    def _recording(self, i, mixer, scan_and_read):
-        def run(u, attention_mask, x0):
+    def _recording(self, i, mixer):
+        def run(u, attention_mask):
             with torch.no_grad():
                 sel, D, _, _ = mixer._ssm_inputs(u)
                 kstar = sel.argmax(-1)                                      # [B, H, L]
@@ -86,7 +87,6 @@ class SelectionProbe:
                         first = _image_size(where)
                 self.surviving[i] += torch.tensor([float(first.sum()), float(_image_size(where).sum()),
                                                    first.numel()], dtype=torch.float64)
-            return scan_and_read(u, attention_mask, x0)
         return run
 
     def summary(self) -> dict:

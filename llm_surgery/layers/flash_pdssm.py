@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +162,7 @@ class FlashPDSSM(nn.Module):
         self.x_init = nn.Parameter(torch.randn(shape) * x_init_std if x_init_std else torch.zeros(shape))
         self.norm = GatedRMSNorm(d_inner, eps=norm_eps, group_size=head_dim)  # per head: one head per automaton
         self.out_proj = nn.Linear(d_inner, hidden_size, bias=False)
+        self._watchers = []   # watching_inputs
         with torch.no_grad():
             self.x_proj.weight.mul_(0.5)
             if n_read:
@@ -303,8 +304,21 @@ class FlashPDSSM(nn.Module):
             return out, (new_conv, x_last)
         return out
 
+    @contextmanager
+    def watching_inputs(self, watch):
+        """Within it, every forward first calls `watch(u, attention_mask)` with the scan's input u [B, L, d_inner]
+        (probes read the selections from it through `_ssm_inputs`); the layer computes as before. Removed on exit,
+        also after an error."""
+        self._watchers.append(watch)
+        try:
+            yield self
+        finally:
+            self._watchers.remove(watch)
+
     def _scan_and_read(self, u: torch.Tensor, attention_mask: torch.Tensor | None, x0: torch.Tensor | None):
         """u [B, L, d_inner] -> (readout y [B, L, d_inner], last state [B, H, N])."""
+        for watch in self._watchers:
+            watch(u, attention_mask)
         Bsz = u.shape[0]
         if x0 is None:
             x0 = self.initial_state(Bsz)

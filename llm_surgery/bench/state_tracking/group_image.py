@@ -41,18 +41,11 @@ def token_transitions(model, task: Task) -> torch.Tensor:
                          "depends on the current token only)")
     mixer, captured = model.blocks[0].mixer, {}
 
-    def capture(u, attention_mask, x0):
+    def capture(u, attention_mask):
         captured["kstar"] = mixer._ssm_inputs(u)[0].argmax(-1)[0]      # [H, S]
-        return scan_and_read(u, attention_mask, x0)
 
-    scan_and_read = mixer._scan_and_read
-    mixer._scan_and_read = capture
-    try:
-        with torch.no_grad():
-            device = next(model.parameters()).device
-            model(torch.arange(task.num_symbols, device=device)[None])
-    finally:
-        mixer.__dict__.pop("_scan_and_read", None)
+    with mixer.watching_inputs(capture), torch.no_grad():
+        model(torch.arange(task.num_symbols, device=next(model.parameters()).device)[None])
     P = mixer.transitions().long()                                      # [H, K, N]
     return torch.gather(P, 1, captured["kstar"][..., None].expand(-1, -1, P.shape[-1]).long()).cpu()
 
