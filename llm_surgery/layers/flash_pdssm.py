@@ -205,9 +205,9 @@ class FlashPDSSM(nn.Module):
         all different within a head (`distinct_permutations`); identity: every member starts as the identity with a
         margin, so the layer begins as a diagonal SSM.
 
-        The margin is over each column's largest random logit, so the hard members are exactly these maps at any N.
-        (Adding it to the chosen logit alone left the largest of N - 1 others above it in 19% of columns at N = 32:
-        no member an identity, entries merged.)"""
+        The margin is over each column's largest random logit, so the hard members are exactly these maps at any N
+        (a margin on the chosen logit alone loses to the largest of the N - 1 others in 19% of columns at N = 32,
+        and those members merge entries)."""
         M = torch.randn(H, K, N, N) / math.sqrt(N)
         if how == "normal":
             return M
