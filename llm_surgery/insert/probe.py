@@ -47,14 +47,15 @@ class SelectionProbe:
         self.counts, self.halflife, self.surviving = {}, {}, {}
 
     def __enter__(self):
-        self._watching = ExitStack()
-        for i, block in self.blocks.items():
-            mixer = block.mixer
-            H, K = mixer.num_heads, mixer.dict_size
-            self.counts[i] = torch.zeros(H, K, dtype=torch.float64)
-            self.halflife[i] = torch.zeros(H, len(_EDGES) + 1, dtype=torch.float64)
-            self.surviving[i] = torch.zeros(3, dtype=torch.float64)   # sum over 16 tokens, over sequences, count
-            self._watching.enter_context(mixer.watching_inputs(self._recording(i, mixer)))
+        with ExitStack() as watching:   # (an error part-way leaves no mixer watched)
+            for i, block in self.blocks.items():
+                mixer = block.mixer
+                H, K = mixer.num_heads, mixer.dict_size
+                self.counts[i] = torch.zeros(H, K, dtype=torch.float64)
+                self.halflife[i] = torch.zeros(H, len(_EDGES) + 1, dtype=torch.float64)
+                self.surviving[i] = torch.zeros(3, dtype=torch.float64)   # sum over 16 tokens, over sequences, count
+                watching.enter_context(mixer.watching_inputs(self._recording(i, mixer)))
+            self._watching = watching.pop_all()
         return self
 
     def __exit__(self, *exc):
