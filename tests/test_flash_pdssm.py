@@ -407,6 +407,16 @@ def test_initial_members_are_exactly_the_maps_each_init_names(N):
             assert all(len({tuple(m) for m in T[h].tolist()}) == min(K, math.factorial(N)) for h in range(4))  # all of S5 at N = 5
 
 
+def test_noisy_permutations_leave_a_few_columns_elsewhere():
+    """noisy_permutation (the one-layer recipe's init): the margin on the chosen logit alone, so a few columns start
+    on another entry and some members merge entries; the same draws as permutation otherwise."""
+    torch.manual_seed(0)
+    T = FlashPDSSM(64, num_heads=4, state_size=5, dict_size=120, complex=False,
+                   dict_init="noisy_permutation").transitions().long()
+    merging = (T.sort(-1).values != torch.arange(5)).any(-1).double().mean()
+    assert 0.05 < float(merging) < 0.5
+
+
 def test_watching_inputs_sees_the_scan_input_changes_nothing_and_is_removed_after_an_error():
     layer = _layer(complex_=False)
     x = torch.randn(2, 7, layer.hidden_size, dtype=torch.float64)

@@ -196,7 +196,7 @@ class FlashPDSSM(nn.Module):
             held = self._tau_held = torch.tensor(self._tau, dtype=torch.float32, device=device)
         return held
 
-    DICT_INITS = ("normal", "permutation", "distinct", "identity")
+    DICT_INITS = ("normal", "permutation", "noisy_permutation", "distinct", "identity")
     B_GATES = fused.B_GATES   # (None, "sigmoid", "hard", "decay", "off"), one list for the layer and its fused op
 
     @staticmethod
@@ -205,14 +205,18 @@ class FlashPDSSM(nn.Module):
         all different within a head (`distinct_permutations`); identity: every member starts as the identity with a
         margin, so the layer begins as a diagonal SSM.
 
-        The margin is over each column's largest random logit, so the hard members are exactly these maps at any N
-        (a margin on the chosen logit alone loses to the largest of the N - 1 others in 19% of columns at N = 32,
-        and those members merge entries)."""
+        The margin is over each column's largest random logit, so the hard members are exactly these maps at any N.
+        noisy_permutation puts the margin on the chosen logit alone, so the largest of the other N - 1 beats it in
+        some columns (1.6% at N = 2-3, 5.6% at N = 5) and a few members start as merging maps: the one-layer
+        recipe's init, because those strays help a layer leave the start on A5 by generators (exact permutations:
+        2 of 5 CPU seeds; docs/bench/state_tracking.md)."""
         M = torch.randn(H, K, N, N) / math.sqrt(N)
         if how == "normal":
             return M
-        if how == "permutation":
+        if how in ("permutation", "noisy_permutation"):
             dest = torch.stack([torch.randperm(N) for _ in range(H * K)]).view(H, K, 1, N)
+            if how == "noisy_permutation":
+                return M.scatter_add_(-2, dest, torch.full((H, K, 1, N), 3.0 / math.sqrt(N)))
         elif how == "distinct":
             dest = torch.stack([distinct_permutations(K, N) for _ in range(H)]).view(H, K, 1, N)
         else:

@@ -21,7 +21,8 @@ from .resume import config_dict, load_result, load_run, save_result, save_run
 from .tasks import get_task
 
 # Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
-ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="permutation", decay_range=(1e-4, 1e-3))
+ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="noisy_permutation",
+                    decay_range=(1e-4, 1e-3))
 # Two or more complex layers (Table 1): magnitudes that can reach exactly 1, phases on a grid of
 # 2 pi / 60 (exact rotations for cycles of 2, 3, 4, 5, 6), no convolution. What broke length generalisation was
 # drift: a decay of 1e-2 or a phase off by 0.02 rad costs nothing at length 40 and everything at 256.
