@@ -5,7 +5,7 @@ import torch
 
 from llm_surgery.bench.state_tracking import group_image
 from llm_surgery.bench.state_tracking.protocol import config
-from llm_surgery.bench.state_tracking.tasks import get_task, permutation_group
+from llm_surgery.bench.state_tracking.tasks import get_task, group_word_problem, permutation_group
 from llm_surgery.bench.state_tracking.train import build_model
 
 
@@ -14,7 +14,7 @@ def _sign(p):
 
 
 def test_faithful_sign_trivial_and_inconsistent_heads_of_the_symmetric_group():
-    elements, table = group_image.symbol_elements(get_task("s3"))
+    _, elements, table = group_word_problem("s3")
     perms = permutation_group(3)
     faithful = torch.tensor([perms[e] for e in elements])                      # each token its own permutation
     sign = torch.tensor([(1, 0, 2) if _sign(perms[e]) < 0 else (0, 1, 2) for e in elements])
@@ -29,8 +29,7 @@ def test_faithful_sign_trivial_and_inconsistent_heads_of_the_symmetric_group():
 
 def test_natural_agreement_counts_tokens_under_the_best_relabelling():
     task = get_task("s3")
-    elements, _ = group_image.symbol_elements(task)
-    perms = group_image.group_elements(task)
+    perms, elements, table = group_word_problem(task.name)
     faithful = torch.tensor([perms[e] for e in elements])
     sigma = [2, 0, 1]                                            # entry sigma[i] holds point i
     relabelled = torch.tensor([[sigma[perms[e][sigma.index(j)]] for j in range(3)] for e in elements])
@@ -39,13 +38,13 @@ def test_natural_agreement_counts_tokens_under_the_best_relabelling():
     near = faithful.clone()
     near[4] = near[5]                                            # one token shares another's member
     assert group_image.natural_agreement(near, elements, perms) == 5
-    assert group_image.head_image(near, elements, table=group_image.symbol_elements(task)[1]) is None
+    assert group_image.head_image(near, elements, table) is None
     assert group_image.natural_agreement(torch.zeros(6, 4, dtype=torch.long), elements, perms) is None   # N != 3
 
 
 def test_a5_generators_faithful_only_as_themselves():
     task = get_task("a5_gen")
-    elements, table = group_image.symbol_elements(task)
+    _, elements, table = group_word_problem(task.name)
     perms = permutation_group(5, alternating=True)
     P = torch.tensor([perms[e] for e in elements])
     assert group_image.head_image(P, elements, table) == 60
@@ -74,7 +73,7 @@ def test_token_transitions_are_what_the_layer_selects_in_a_sequence():
 
 def test_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="not a group word problem"):
-        group_image.symbol_elements(get_task("parity"))
+        group_word_problem("parity")
     model = build_model(config("pdssm", "parity", 0, 2e-3, device="cpu"))       # Table 1's preset: conv_kernel 1
     model.blocks[0].mixer.conv1d = torch.nn.Conv1d(4, 4, 3, groups=4)
     with pytest.raises(ValueError, match="conv_kernel=1"):

@@ -215,13 +215,14 @@ class FlashPDSSM(nn.Module):
             return M
         if how in ("permutation", "noisy_permutation"):
             dest = torch.stack([torch.randperm(N) for _ in range(H * K)]).view(H, K, 1, N)
-            if how == "noisy_permutation":
-                return M.scatter_add_(-2, dest, torch.full((H, K, 1, N), 3.0 / math.sqrt(N)))
         elif how == "distinct":
             dest = torch.stack([distinct_permutations(K, N) for _ in range(H)]).view(H, K, 1, N)
         else:
             dest = torch.arange(N).expand(H, K, 1, N)
-        return M.scatter_(-2, dest, M.amax(-2, keepdim=True) + 3.0 / math.sqrt(N))
+        margin = 3.0 / math.sqrt(N)
+        if how == "noisy_permutation":
+            return M.scatter_add_(-2, dest, torch.full((H, K, 1, N), margin))
+        return M.scatter_(-2, dest, M.amax(-2, keepdim=True) + margin)
 
     # ---- pieces -------------------------------------------------------------------------------------------
     def transitions(self) -> torch.Tensor:

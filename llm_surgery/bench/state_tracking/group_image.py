@@ -20,7 +20,7 @@ import itertools
 import torch
 
 from ...layers import FlashPDSSM
-from .tasks import GENERATORS, Task, compose_table, permutation_group
+from .tasks import GROUPS, Task, group_word_problem
 
 
 def _token_driven(model) -> bool:
@@ -31,7 +31,7 @@ def _token_driven(model) -> bool:
 
 def readable(model, task: Task) -> bool:
     """Whether `summary` applies: a group word problem and a token-driven first layer."""
-    return task.name.split("_")[0] in GENERATORS and _token_driven(model)
+    return task.name.split("_")[0] in GROUPS and _token_driven(model)
 
 
 def token_transitions(model, task: Task) -> torch.Tensor:
@@ -48,25 +48,6 @@ def token_transitions(model, task: Task) -> torch.Tensor:
         model(torch.arange(task.num_symbols, device=next(model.parameters()).device)[None])
     P = mixer.transitions().long()                                      # [H, K, N]
     return torch.gather(P, 1, captured["kstar"][..., None].expand(-1, -1, P.shape[-1]).long()).cpu()
-
-
-def group_elements(task: Task) -> list[tuple[int, ...]]:
-    """The group's elements as permutations (the tasks' order: index = class label)."""
-    base = task.name.split("_")[0]
-    if base not in GENERATORS:
-        raise ValueError(f"task {task.name!r} is not a group word problem (s3, a5, s3_gen, a5_gen)")
-    return permutation_group(3 if base == "s3" else 5, alternating=base == "a5")
-
-
-def symbol_elements(task: Task) -> tuple[list[int], torch.Tensor]:
-    """Each symbol's group element (index into the group's elements) and the group's composition table."""
-    base = task.name.split("_")[0]
-    perms = group_elements(task)
-    table = compose_table(perms)
-    if task.name.endswith("_gen"):
-        index = {p: i for i, p in enumerate(perms)}
-        return [index[g] for g in GENERATORS[base]], table
-    return list(range(len(perms))), table
 
 
 def head_image(P: torch.Tensor, elements: list[int], table: torch.Tensor) -> int | None:
@@ -123,8 +104,7 @@ def summary(model, task: Task) -> dict:
     """Per head of the first layer: the tracked image's size (`images`; None: no function of the group) and the
     tokens it maps as the natural action (`natural_tokens`, of `symbols`); the heads that track the whole group
     (`faithful`) or a quotient between it and the trivial one, the largest image and the closest head."""
-    elements, table = symbol_elements(task)
-    perms = group_elements(task)
+    perms, elements, table = group_word_problem(task.name)
     order = table.shape[0]
     P_all = token_transitions(model, task)
     images = [head_image(P, elements, table) for P in P_all]

@@ -133,15 +133,24 @@ GENERATORS = {  # two generators of each group
 }
 
 
-def _group_task(name: str, n: int, alternating: bool, generators: bool) -> Task:
-    perms = permutation_group(n, alternating)
-    table = compose_table(perms)
-    if generators:
-        index = {p: i for i, p in enumerate(perms)}
-        elements = torch.tensor([index[g] for g in GENERATORS[name.split("_")[0]]])
-    else:
-        elements = torch.arange(len(perms))
-    return Task(name, len(elements), len(perms), _word_problem(perms, elements, table))
+GROUPS = {"s3": (3, False), "a5": (5, True)}   # points permuted, alternating
+
+
+def group_word_problem(name: str) -> tuple[list[tuple[int, ...]], list[int], torch.Tensor]:
+    """A group task (s3, a5, s3_gen, a5_gen): the group's elements as permutations (identity first; index = class
+    label), each symbol's element (its index) and the composition table (compose_table)."""
+    base = name.split("_")[0]
+    if base not in GROUPS or name not in (base, base + "_gen"):
+        raise ValueError(f"task {name!r} is not a group word problem (s3, a5, s3_gen, a5_gen)")
+    perms = permutation_group(*GROUPS[base])
+    index = {p: i for i, p in enumerate(perms)}
+    elements = [index[g] for g in GENERATORS[base]] if name.endswith("_gen") else list(range(len(perms)))
+    return perms, elements, compose_table(perms)
+
+
+def _group_task(name: str) -> Task:
+    perms, elements, table = group_word_problem(name)
+    return Task(name, len(elements), len(perms), _word_problem(perms, torch.tensor(elements), table))
 
 
 TASKS: dict[str, Callable[[], Task]] = {
@@ -150,10 +159,10 @@ TASKS: dict[str, Callable[[], Task]] = {
     "cycle_navigation": lambda: Task("cycle_navigation", 3, 5, _cycle_navigation),
     "modular_arithmetic": lambda: Task("modular_arithmetic", 5 + len(MOD_ARITH_OPS), 5, _modular_arithmetic,
                                        odd_lengths=True),
-    "s3": lambda: _group_task("s3", 3, False, False),
-    "a5": lambda: _group_task("a5", 5, True, False),
-    "s3_gen": lambda: _group_task("s3_gen", 3, False, True),
-    "a5_gen": lambda: _group_task("a5_gen", 5, True, True),
+    "s3": lambda: _group_task("s3"),
+    "a5": lambda: _group_task("a5"),
+    "s3_gen": lambda: _group_task("s3_gen"),
+    "a5_gen": lambda: _group_task("a5_gen"),
 }
 TABLE1_TASKS = ("cycle_navigation", "even_pairs", "modular_arithmetic", "parity")
 
