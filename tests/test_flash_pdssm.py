@@ -403,8 +403,8 @@ def test_initial_members_are_exactly_the_maps_each_init_names(N):
         assert torch.equal(T.sort(-1).values, torch.arange(N).expand_as(T)), how      # permutations, none merges
         if how == "identity":
             assert torch.equal(T, torch.arange(N).expand_as(T))
-        if how == "distinct":
-            assert all(len({tuple(m) for m in T[h].tolist()}) == min(K, math.factorial(N)) for h in range(4))  # all of S5 at N = 5
+        if how == "distinct":   # all different; every permutation (all of S5) at N = 5, K = 120
+            assert all(len({tuple(m) for m in T[h].tolist()}) == min(K, math.factorial(N)) for h in range(4))
 
 
 def test_noisy_permutations_leave_a_few_columns_elsewhere():

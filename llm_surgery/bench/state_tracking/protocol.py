@@ -37,7 +37,8 @@ SEARCH_FRAC = 0.25
 PAPER_LR = 2e-3  # a tie in the search goes to the rate nearest this one
 # Mixer sizes of the comparison kinds per setting ("table1": 2 layers of width 128; a group task: one layer at
 # the width of pdssm's recipe). Whole-model counts (param_counts): Table 1 pdssm 347k, mamba2 +1.7%, deltanet -3.1%;
-# S3 pdssm 26k, mamba2 +2.3%, deltanet +0.5%; A5 (elements, K = 120) 82k, +0.6%, +0.1%; A5 (generators) 39k, +0.2%, -0.6%.
+# S3 pdssm 26k, mamba2 +2.3%, deltanet +0.5%; A5 (elements, K = 120) 82k, +0.6%, +0.1%; A5 (generators) 39k,
+# +0.2%, -0.6%.
 # Mamba2's inner width stays an integer multiple of the width (mamba-ssm's module holds it then).
 MATCHED = {
     "table1": {"mamba2": dict(num_heads=4, head_dim=96, state_size=96, n_groups=1),
