@@ -59,14 +59,16 @@ def import_mamba2():
     return mamba2
 
 
-def build(kind: str, width: int):
-    """(label, module) for one --kinds entry."""
+def build(kind: str, width: int, pdssm_options: dict | None = None):
+    """(label, module) for one --kinds entry; pdssm_options: FlashPDSSM options over the registry's defaults."""
     torch.manual_seed(0)
     if kind in ("pdssm", "pdssm-ref", "pdssm-one"):
         from llm_surgery.layers.registry import build_mixer
-        layer = build_mixer("pdssm", width, backend="torch" if kind == "pdssm-ref" else "auto")
+        backend = "torch" if kind == "pdssm-ref" else "auto"
+        layer = build_mixer("pdssm", width, backend=backend, **(pdssm_options or {}))
         label = "FlashPDSSM" + {"pdssm": "", "pdssm-ref": " (torch reference path)",
                                 "pdssm-one": " (one kernel per sequence and head at every length)"}[kind]
+        label += f" {json.dumps(pdssm_options)}" if pdssm_options else ""
     elif kind == "fla-deltanet":
         from fla.layers import DeltaNet
         heads = 14 * width // 1024
@@ -186,7 +188,7 @@ def profile(kind, args) -> None:
     """Where one fwd+bwd of a layer spends its GPU time (the first batch and length given)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    label, layer = build(kind, args.width)
+    label, layer = build(kind, args.width, args.pdssm_options)
     B, L = args.batch[0], args.lengths[0]
     x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with one_kernel(kind == "pdssm-one"):
@@ -216,6 +218,8 @@ def main():
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--pdssm-slice-mib", type=int, default=0,
                     help="batch-slice budget of the fused Flash PD-SSM op in MiB (0: its default)")
+    ap.add_argument("--pdssm-options", type=json.loads, default=None,
+                    help='FlashPDSSM options over the registry defaults, a JSON object, e.g. \'{"dict_size": 32}\'')
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
     args = ap.parse_args()
@@ -238,7 +242,7 @@ def main():
     layers = {}
     for kind in args.kinds:
         try:
-            layers[kind] = build(kind, args.width)
+            layers[kind] = build(kind, args.width, args.pdssm_options)
         except Exception as e:  # report, keep measuring the others
             print(f"{kind}: could not build ({type(e).__name__}: {e})")
     print("\n| kind | layer | params |\n|---|---|---|")
