@@ -13,14 +13,40 @@ All graphs share one memory pool: they never run concurrently, and what lives ac
 optimizer state, static inputs and outputs) is allocated outside them or kept referenced. Outputs are the graph's
 own tensors, overwritten by the next call at the same shape: clone what must outlive it. A failed capture (a
 kernel that syncs with the host) warns once; shapes without a graph then run eagerly.
+
+A layer that picks its path with a host sync (a mask's padding side) cannot do so in a capture, so it takes its
+general path there; `graphed_path()` tells it to take that path in the warm-up call too. Otherwise the warm-up
+builds the other path's Triton choices, and the capture compiles and autotunes its own (the trainer warms shapes up
+on an all-ones mask: the Mamba2 kind's capture failed with cudaErrorStreamCaptureInvalidated).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
+
+_graphed = threading.local()
+
+
+def graphed_path() -> bool:
+    """Whether the running code is a graphed body (its warm-up or its capture), or any CUDA capture: layers then
+    choose their path without looking at the data."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return getattr(_graphed, "active", False) or capturing
+
+
+@contextmanager
+def _in_graphed_body():
+    before = getattr(_graphed, "active", False)
+    _graphed.active = True
+    try:
+        yield
+    finally:
+        _graphed.active = before
 
 
 class GraphedByShape:
@@ -45,7 +71,8 @@ class GraphedByShape:
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:  # first time at this shape: an ordinary call, on the stream
             self.seen.add(key)
-            return self._on_stream(lambda: self.body(*tensors))
+            with _in_graphed_body():
+                return self._on_stream(lambda: self.body(*tensors))
         if entry is None and self.failed is None:
             try:
                 entry = self.graphs[key] = self._capture(tensors)
@@ -68,7 +95,8 @@ class GraphedByShape:
         torch.cuda.synchronize()
         # thread_local: other threads' CUDA calls are not this capture's (a DataLoader's pin-memory thread
         # allocating pinned memory broke a global-mode capture of the trainer's step)
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"), \
+                _in_graphed_body():
             out = self.body(*static)
         self.pool = graph.pool() if self.pool is None else self.pool
         return graph, static, out

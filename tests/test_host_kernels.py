@@ -58,6 +58,7 @@ def test_no_kernels_says_so(monkeypatch):
     assert "torch reference" in host_kernels.use_mamba_kernels_for_hosts()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and mamba-ssm's Triton kernels")
 def test_host_on_cuda_matches_reference():
     import llm_surgery.layers.mamba2 as m2

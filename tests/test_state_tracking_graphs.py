@@ -60,6 +60,7 @@ def _pair(kind, preset, task):
 LENGTHS = [5, 5, 9, 5, 9, 9, 12, 5, 12, 12, 9]  # eager first step, capture, replays, interleaved
 
 
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind,preset", KINDS)
 def test_graphed_steps_match_eager_steps(kind, preset):
@@ -83,6 +84,7 @@ def test_graphed_steps_match_eager_steps(kind, preset):
     assert len(graphed.graphed_step.graphs) == 3
 
 
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind,preset", [k for k in KINDS if k.values[1] not in ("tracking", "automaton")])
 def test_graphed_training_matches_eager(kind, preset):
@@ -108,6 +110,7 @@ def test_graphed_training_matches_eager(kind, preset):
     assert any(not torch.equal(a, b) for a, b in zip(eager.model.parameters(), fresh.parameters()))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_graphed_run_on_the_second_gpu_trains_as_on_the_first():
     """bench/state_tracking_gpu.py --gpus: a run on cuda:1 (its graphs captured there) equals the run on cuda:0."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cuda_graphs import graphed_path
 from ..ops import fast_path
 
 
@@ -110,11 +111,12 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
     """True without a mask or when every row is tokens then padding: a causal layer then needs no mask, since no
-    token sees a later (padded) position. Costs one host sync; while a CUDA graph is captured (no syncs allowed) a
-    mask counts as not right padding, which only sends the call to the masked path."""
+    token sees a later (padded) position. Costs one host sync; in a graphed body (`cuda_graphs.graphed_path`: its
+    capture, where no sync is allowed, and the warm-up before it) a mask counts as not right padding, which only
+    sends the call to the masked path."""
     if attention_mask is None:
         return True
-    if attention_mask.is_cuda and torch.cuda.is_current_stream_capturing():
+    if graphed_path():
         return False
     m = attention_mask.bool()
     return not bool((m[:, 1:] & ~m[:, :-1]).any())
