@@ -127,14 +127,17 @@ class GraphedLoss:
 
     def prepare(self, shapes: Counter, device) -> str:
         """Capture the graphs of the most frequent `shapes` now, on placeholder tokens (their gradients are then
-        cleared); returns what was done, for the log."""
+        cleared); returns what was done, for the log. The random streams are left as they were: the placeholder
+        calls draw dropout masks, and a resumed run, which prepares the shapes still ahead (fewer), would otherwise
+        continue from other draws than the uninterrupted run."""
         t0, chosen = time.perf_counter(), [s for s, _ in shapes.most_common(MAX_PREPARED)]
-        for batch, length, span in chosen:
-            ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-            mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-            labels = torch.zeros(batch, span, dtype=torch.long, device=device)
-            for _ in range(2):  # eagerly, then captured
-                self.graphs(ids, mask, labels)
+        with torch.random.fork_rng(devices=[device]):
+            for batch, length, span in chosen:
+                ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+                mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+                labels = torch.zeros(batch, span, dtype=torch.long, device=device)
+                for _ in range(2):  # eagerly, then captured
+                    self.graphs(ids, mask, labels)
         self.zero_grad()
         torch.cuda.synchronize(device)
         share = sum(shapes[s] for s in chosen) / max(1, sum(shapes.values()))
