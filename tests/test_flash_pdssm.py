@@ -377,6 +377,56 @@ def test_read_gate_starts_as_the_plain_layer_then_learns_a_per_token_readout(com
         FlashPDSSM(48, num_heads=4, read_gate="yes")
 
 
+@pytest.mark.parametrize("complex_,b_gate", [(True, None), (False, None), (True, "decay")])
+def test_matrix_state_is_a_pd_scan_per_value_column_read_by_a_query(complex_, b_gate):
+    """matrix_state=True against a per-token float64 loop over X [N, P] per head: X_t[P_t[m]] += D_t[m] X_{t-1}[m]
+    (the scatter), then X_t += b_t u_t^T, y_t = Re(X_t^T C_h^T u_t) + D_skip u_t; a prefix plus one-token steps
+    equal one pass, left padding leaves the state as it was, every weight gets a gradient, and what it cannot do
+    is refused when built."""
+    torch.manual_seed(0)
+    layer = FlashPDSSM(24, num_heads=3, state_size=5, dict_size=4, complex=complex_, b_gate=b_gate,
+                       dict_init="normal", x_init_std=0.5, matrix_state=True).double()
+    B, L, H, P, N = 2, 9, 3, 8, 5
+    u = torch.randn(B, L, H * P, dtype=torch.float64)
+    y, last = layer._scan_and_read(u, None, None)
+    sel, D, key, _ = layer._ssm_inputs(u)
+    dest = layer.transitions().long()[torch.arange(H)[None, :, None], sel.argmax(-1)]       # [B, H, L, N]
+    Cq = torch.complex(layer.C[..., 0], layer.C[..., 1]) if complex_ else layer.C[..., 0]
+    X = layer.initial_state(B).transpose(2, 3).to(key.dtype)                               # [B, H, N, P]
+    ref = []
+    for t in range(L):
+        v = u[:, t].view(B, H, P).to(X.dtype)
+        moved = torch.zeros_like(X).scatter_add_(2, dest[:, :, t, :, None].expand(B, H, N, P),
+                                                 D[:, :, t, :, None] * X)
+        X = moved + key[:, :, t, :, None] * v[:, :, None, :]
+        query = torch.einsum("bhp,hpn->bhn", v, Cq.to(X.dtype))
+        out = torch.einsum("bhnp,bhn->bhp", X, query)
+        ref.append((out.real if out.is_complex() else out) + layer.D_skip * u[:, t].view(B, H, P))
+    assert torch.allclose(y, torch.stack(ref, 1).reshape(B, L, H * P), atol=1e-10)
+    assert torch.allclose(last, X.transpose(2, 3), atol=1e-10)
+    x = torch.randn(B, L, 24, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        y1, st = layer(x[:, :4], return_state=True)
+        outs = [y1]
+        for t in range(4, L):
+            yt, st = layer.step(x[:, t], st)
+            outs.append(yt.unsqueeze(1))
+        assert torch.allclose(torch.cat(outs, 1), full, atol=1e-10)
+        padded = torch.cat([torch.randn(B, 3, 24, dtype=torch.float64), x], 1)
+        mask = torch.cat([torch.zeros(B, 3), torch.ones(B, L)], 1).long()
+        assert torch.allclose(layer(padded, attention_mask=mask)[:, 3:], full, atol=1e-10)
+    layer(x).pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in layer.named_parameters()
+               if n != "decay_bias" or b_gate == "decay"), [n for n, p in layer.named_parameters() if p.grad is None]
+    with pytest.raises(ValueError, match="matrix state"):
+        FlashPDSSM(48, num_heads=4, matrix_state=True, backend="kernel")
+    with pytest.raises(ValueError, match="neither read_gate"):
+        FlashPDSSM(48, num_heads=4, matrix_state=True, read_gate=True)
+    with pytest.raises(ValueError, match="recurrent state must be"):
+        layer(x, state=(None, torch.zeros(B, H, N, dtype=torch.complex128)))
+
+
 def test_distinct_init_draws_different_members_per_head():
     """Members drawn with repeats leave heads short of transitions: up to N! members are all distinct, beyond that
     every permutation is there; each is a permutation, and the layer's members start on them."""

@@ -5,6 +5,8 @@
     b_t = B_h u_t (complex),  P_t = P_dict[h, argmax selector],  x_t = P_t D_t x_{t-1} + b_t   (pd_select_scan)
     y = Re(C_h x_t) + D_skip * u;  out = out_proj(GatedRMSNorm(y, z))
     (read_gate=True: y = Re(C_h (r_t * x_t)) + D_skip * u, r_t per token from x_proj; torch path only)
+    (matrix_state=True: a state X [N, P] per head, X_t = P_t D_t X_{t-1} + b_t u_t^T, y_t = Re(X_t^T C_h^T u_t) +
+     D_skip * u: b_t is a write key and C_h^T u_t a read query, as in linear attention; torch path only)
 
 Memory is O(B*L*H*N + H*K*N*N): per token only an int16 index vector and a diagonal are built (paper, sec. 3).
 """
@@ -78,7 +80,8 @@ class FlashPDSSM(nn.Module):
                  conv_kernel: int = 4, complex: bool = True, tau: float = 1.0, norm_eps: float = 1e-5,
                  dict_init: str = "normal", decay_range: tuple[float, float] = (1e-3, 1e-1),
                  layer_idx: int | None = None, b_gate: str | bool | None = None, x_init_std: float = 0.0,
-                 unit_snap: float = 0.0, phase_levels: int = 0, read_gate: bool = False, backend: str = "auto"):
+                 unit_snap: float = 0.0, phase_levels: int = 0, read_gate: bool = False, matrix_state: bool = False,
+                 backend: str = "auto"):
         super().__init__()
         sizes = dict(hidden_size=hidden_size, expand=expand, conv_kernel=conv_kernel, num_heads=num_heads,
                      head_dim=head_dim, state_size=state_size, dict_size=dict_size)
@@ -113,6 +116,16 @@ class FlashPDSSM(nn.Module):
         if not isinstance(read_gate, bool):
             raise ValueError(f"FlashPDSSM: read_gate must be True or False, got {read_gate!r}")
         self.read_gate = read_gate
+        # matrix_state: each head keeps N x P numbers instead of N. The paper's b_t = B_h u_t becomes a write key for
+        # the token's P values, X_t = P_t D_t X_{t-1} + b_t u_t^T, and C_h^T u_t a read query, y_t = Re(X_t^T C_h^T
+        # u_t): an associative memory (Box asks what one box holds) whose slots the PD transitions move, with the
+        # parameters of the plain layer. Beyond the paper; torch path only (the scan runs once per value column).
+        if not isinstance(matrix_state, bool):
+            raise ValueError(f"FlashPDSSM: matrix_state must be True or False, got {matrix_state!r}")
+        if matrix_state and (read_gate or b_gate == "off"):
+            raise ValueError("FlashPDSSM: matrix_state writes through b_t and reads through its own query; it takes "
+                             "neither read_gate nor b_gate='off'")
+        self.matrix_state = matrix_state
         self._check_kernel_backend()
         if isinstance(b_gate, bool):  # the first form of this option: True = a sigmoid gate
             b_gate = "sigmoid" if b_gate else None
@@ -285,10 +298,18 @@ class FlashPDSSM(nn.Module):
         return y.reshape(Bsz, L, self.d_inner)
 
     def initial_state(self, batch_size: int) -> torch.Tensor:
-        """The learned state before the first token, [B, H, N] (complex for the complex variant)."""
+        """The learned state before the first token, [B, H, N] ([B, H, P, N] with `matrix_state`, x_init in every
+        column; complex for the complex variant)."""
         x = self.x_init.float()
         x = torch.complex(x[..., 0], x[..., 1]) if self.complex else x[..., 0]
+        if self.matrix_state:
+            return x[None, :, None].expand(batch_size, -1, self.head_dim, -1)
         return x.unsqueeze(0).expand(batch_size, -1, -1)
+
+    def state_shape(self, batch_size: int) -> tuple[int, ...]:
+        """The recurrent state's shape: [B, H, N], or [B, H, P, N] with `matrix_state`."""
+        H, P, N = self.num_heads, self.head_dim, self.state_size
+        return (batch_size, H, P, N) if self.matrix_state else (batch_size, H, N)
 
     # ---- Mixer contract -----------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, state=None,
@@ -331,9 +352,9 @@ class FlashPDSSM(nn.Module):
         Bsz = u.shape[0]
         if x0 is None:
             x0 = self.initial_state(Bsz)
-        elif x0.shape != (Bsz, self.num_heads, self.state_size):
-            raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, N] = "
-                             f"{(Bsz, self.num_heads, self.state_size)}, got {tuple(x0.shape)}")
+        elif x0.shape != self.state_shape(Bsz):
+            raise ValueError(f"FlashPDSSM: recurrent state must be [B, H, {'P, ' if self.matrix_state else ''}N] = "
+                             f"{self.state_shape(Bsz)}, got {tuple(x0.shape)}")
         # a decode step (one token, no autograd) takes the torch path unless the one-kernel middle runs it
         # (triton_middle.CONFIG["decode"]): the separate kernels' per-call setup serves long sequences
         decode = u.shape[1] == 1 and not torch.is_grad_enabled()
@@ -344,12 +365,38 @@ class FlashPDSSM(nn.Module):
         if attention_mask is not None:  # padding steps are the identity: D = 1, P = id (below), b = 0
             keep = attention_mask.to(torch.bool)[:, None, :, None]
             D = torch.where(keep, D, torch.ones_like(D))
-        if torch.is_grad_enabled() and (self.dictionary.requires_grad or sel.requires_grad):
-            x = pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau_held(b.device), mask=attention_mask)
-        else:  # inference: the same hard forward without the straight-through bookkeeping
-            x = pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), attention_mask), D, b, x0,
-                        check_values=False)   # argmaxes: in range by construction, no host sync
+        if self.matrix_state:
+            return self._matrix_scan_and_read(u, sel, D, b, x0, attention_mask)
+        x = self._scan(sel, D, b, x0, attention_mask)
         return self._readout(x, u, r), x[:, :, -1]
+
+    def _scan(self, sel, D, b, x0, mask):
+        """The hard-selected scan of `_ssm_inputs`' outputs, with straight-through gradients when training."""
+        if torch.is_grad_enabled() and (self.dictionary.requires_grad or sel.requires_grad):
+            return pd_select_scan(self.dictionary, sel, D, b, x0, tau=self.tau_held(b.device), mask=mask)
+        # inference: the same hard forward without the straight-through bookkeeping
+        return pd_scan(gather_transitions(self.transitions(), sel.argmax(-1), mask), D, b, x0,
+                       check_values=False)   # argmaxes: in range by construction, no host sync
+
+    def _matrix_scan_and_read(self, u, sel, D, key, x0, mask):
+        """`matrix_state`: each of a head's P value columns is its own PD scan (the same selections and diagonals,
+        written b_t u_t[p]), run as P times the batch; the readout takes Re(query . column) per column."""
+        Bsz, L, _ = u.shape
+        H, P, N = self.num_heads, self.head_dim, self.state_size
+        v = u.view(Bsz, L, H, P).permute(0, 3, 2, 1).to(key.dtype)                  # [B, P, H, L]
+        writes = (key.unsqueeze(1) * v.unsqueeze(-1)).reshape(Bsz * P, H, L, N)
+
+        def per_column(t):   # [B, ...] -> [B * P, ...], sequence b's rows at b * P .. b * P + P - 1
+            return t.unsqueeze(1).expand(Bsz, P, *t.shape[1:]).reshape(Bsz * P, *t.shape[1:])
+
+        m = None if mask is None else mask.repeat_interleave(P, dim=0)
+        x0 = x0.transpose(1, 2).reshape(Bsz * P, H, N)
+        X = self._scan(per_column(sel), per_column(D), writes, x0, m).view(Bsz, P, H, L, N)
+        Cq = torch.complex(self.C[..., 0], self.C[..., 1]) if self.complex else self.C[..., 0]
+        query = torch.einsum("blhp,hpn->bhln", u.view(Bsz, L, H, P).to(X.dtype), Cq.to(X.dtype))
+        y = torch.einsum("bphln,bhln->blhp", X, query)
+        y = (y.real if y.is_complex() else y).to(u.dtype) + self.D_skip.to(u.dtype) * u.view(Bsz, L, H, P)
+        return y.reshape(Bsz, L, self.d_inner), X[:, :, :, -1].transpose(1, 2)
 
     def _fused_refusal(self) -> str | None:
         """Why the fused op cannot serve this layer (None: it can, where CUDA and its kernels are there)."""
@@ -358,6 +405,8 @@ class FlashPDSSM(nn.Module):
                     f"{self.head_dim}; use backend='auto' (the torch path for such heads) or more, smaller heads")
         if self.read_gate:
             return "has no read gate; use backend='auto' (the torch path) with read_gate=True"
+        if self.matrix_state:
+            return "has no matrix state; use backend='auto' (the torch path) with matrix_state=True"
         return None
 
     def _check_kernel_backend(self) -> None:
@@ -407,4 +456,5 @@ class FlashPDSSM(nn.Module):
                 f"b_gate={self.b_gate}" + (f", unit_snap={self.unit_snap}" if self.unit_snap else "")
                 + (f", phase_levels={self.phase_levels}" if self.phase_levels else "")
                 + (", read_gate=True" if self.read_gate else "")
+                + (", matrix_state=True" if self.matrix_state else "")
                 + (f", backend={self.backend!r}" if self.backend != "auto" else ""))
