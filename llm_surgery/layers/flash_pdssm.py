@@ -297,11 +297,14 @@ class FlashPDSSM(nn.Module):
         y = y + self.D_skip.to(dt) * u.view(Bsz, L, H, self.head_dim)
         return y.reshape(Bsz, L, self.d_inner)
 
+    def _values(self, planes: torch.Tensor) -> torch.Tensor:
+        """A parameter stored with a trailing (re, im) axis (a single real plane for a real layer) as its values."""
+        return torch.complex(planes[..., 0], planes[..., 1]) if self.complex else planes[..., 0]
+
     def initial_state(self, batch_size: int) -> torch.Tensor:
         """The learned state before the first token, [B, H, N] ([B, H, P, N] with `matrix_state`, x_init in every
         column; complex for the complex variant)."""
-        x = self.x_init.float()
-        x = torch.complex(x[..., 0], x[..., 1]) if self.complex else x[..., 0]
+        x = self._values(self.x_init.float())
         if self.matrix_state:
             return x[None, :, None].expand(batch_size, -1, self.head_dim, -1)
         return x.unsqueeze(0).expand(batch_size, -1, -1)
@@ -392,8 +395,7 @@ class FlashPDSSM(nn.Module):
         m = None if mask is None else mask.repeat_interleave(P, dim=0)
         x0 = x0.transpose(1, 2).reshape(Bsz * P, H, N)
         X = self._scan(per_column(sel), per_column(D), writes, x0, m).view(Bsz, P, H, L, N)
-        Cq = torch.complex(self.C[..., 0], self.C[..., 1]) if self.complex else self.C[..., 0]
-        query = torch.einsum("blhp,hpn->bhln", u.view(Bsz, L, H, P).to(X.dtype), Cq.to(X.dtype))
+        query = torch.einsum("blhp,hpn->bhln", u.view(Bsz, L, H, P).to(X.dtype), self._values(self.C).to(X.dtype))
         y = torch.einsum("bphln,bhln->blhp", X, query)
         y = (y.real if y.is_complex() else y).to(u.dtype) + self.D_skip.to(u.dtype) * u.view(Bsz, L, H, P)
         return y.reshape(Bsz, L, self.d_inner), X[:, :, :, -1].transpose(1, 2)
