@@ -2,6 +2,10 @@
 through, the temperature it reads from memory, and (on a GPU) a graphed run that trains like an eager one."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +16,24 @@ from llm_surgery.train.graphs import LENGTH_MULTIPLE, SPAN_MULTIPLE, _flat_grads
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = ("-m", "llm_surgery.train")
+CRASH_AFTER_STEP_3 = (str(REPO / "tests" / "crash_after_step.py"), "3")   # the trainer, SIGKILLed after step 3
+
+
+def _train(launcher: list[str], flags: list[str], out: Path, *more: str, script=TRAINER):
+    """The trainer (or a script of tests/ that runs it) in a subprocess started by `launcher`, from the repository
+    and offline; the finished process."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([*launcher, *script, *flags, "--output-dir", str(out), *more],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """{step: loss} from a run's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
 
 
 def _acc(device="cuda", precision="bf16", processes=1):
@@ -187,31 +209,17 @@ def test_graphed_run_with_dropout_killed_and_resumed_continues_its_losses(tmp_pa
     resumed from its step-2 checkpoint, the run logs the uninterrupted run's losses for steps 3-6. The resumed run
     prepares fewer batch shapes than the full one; the placeholder steps that capture them must not move the
     random streams."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     flags = ["--model", str(tiny_host_dir), "--kind", "pdssm", "--n", "2", "--max-steps", "6", "--batch-size", "8",
              "--num-sequences", "200", "--max-eval-examples", "32", "--log-every", "1", "--lr", "3e-3",
              "--lora-r", "4", "--lora-dropout", "0.3", "--no-progress", "--no-plot", "--no-tensorboard",
              "--save-every", "2"]
-
-    def train(out, *more, script=("-m", "llm_surgery.train")):
-        path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run([sys.executable, *script, *flags, "--output-dir", str(out), *more],
-                              env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path),
-                              cwd=repo, capture_output=True, text=True, timeout=600)
-        return proc, {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                      if "loss" in r}
-
-    full, want = train(tmp_path / "full")
+    full = _train([sys.executable], flags, tmp_path / "full")
     assert full.returncode == 0 and "CUDA graphs: on" in full.stdout + full.stderr, full.stderr[-5000:]
-    crashed, _ = train(tmp_path / "run", script=(str(repo / "tests" / "crash_after_step.py"), "3"))
+    crashed = _train([sys.executable], flags, tmp_path / "run", script=CRASH_AFTER_STEP_3)
     assert crashed.returncode != 0
-    resumed, got = train(tmp_path / "run", "--resume", "latest")
+    resumed = _train([sys.executable], flags, tmp_path / "run", "--resume", "latest")
     assert resumed.returncode == 0 and "capture failed" not in resumed.stderr, resumed.stderr[-5000:]
+    want, got = _losses(tmp_path / "full"), _losses(tmp_path / "run")
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     # bit-equal on an H100; the bound leaves room for atomic sums' order (the placeholder steps' draws moved step 3's
     # loss by 1.8e-5)
@@ -223,10 +231,6 @@ def test_graphed_run_with_dropout_killed_and_resumed_continues_its_losses(tmp_pa
 def test_graphed_run_on_two_gpus_trains_like_ddp(tmp_path, tiny_host_dir):
     """`accelerate launch` on 2 GPUs: the graphed run (no DDP; its own all-reduce of the flat gradient buffers)
     logs the same losses as eager DDP, and the same evaluation after training."""
-    import os
-    import subprocess
-    import sys
-
     got = {}
     for graphs in (True, False):
         out = tmp_path / f"g{graphs}"
@@ -254,35 +258,18 @@ def test_graphed_run_on_two_gpus_trains_like_ddp(tmp_path, tiny_host_dir):
 def test_graphed_run_on_two_gpus_killed_and_resumed_continues_its_losses(tmp_path, tiny_host_dir):
     """`accelerate launch` on 2 GPUs with graphs on: rank 0 SIGKILLed after step 3, the run resumed from its step-2
     checkpoint logs the uninterrupted run's losses for steps 3-6 and ends with its evaluation."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     flags = ["--model", str(tiny_host_dir), "--kind", "pdssm", "--n", "2", "--max-steps", "6", "--batch-size", "8",
              "--num-sequences", "200", "--max-eval-examples", "64", "--log-every", "1", "--tau", "1.0",
              "--tau-end", "0.2", "--lr", "3e-3", "--no-progress", "--no-plot", "--no-tensorboard", "--save-every", "2"]
-
-    def launch(out, *more, script=("-m", "llm_surgery.train")):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no", *script, *flags,
-               "--output-dir", str(out), *more]
-        path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-        return subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                                            PYTHONPATH=path), cwd=repo, capture_output=True, text=True, timeout=600)
-
-    def losses(out):
-        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r}
-
-    proc = launch(tmp_path / "full")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+    proc = _train(launcher, flags, tmp_path / "full")
     assert proc.returncode == 0 and "CUDA graphs: on" in proc.stdout + proc.stderr, proc.stderr[-5000:]
-    proc = launch(tmp_path / "crashed", script=(str(repo / "tests" / "crash_after_step.py"), "3"))
+    proc = _train(launcher, flags, tmp_path / "crashed", script=CRASH_AFTER_STEP_3)
     assert proc.returncode != 0 and not (tmp_path / "crashed" / "results.json").exists()
-    proc = launch(tmp_path / "crashed", "--resume", "latest")
+    proc = _train(launcher, flags, tmp_path / "crashed", "--resume", "latest")
     assert proc.returncode == 0 and "CUDA graphs: on" in proc.stdout + proc.stderr, proc.stderr[-5000:]
-    want, got = losses(tmp_path / "full"), losses(tmp_path / "crashed")
+    want, got = _losses(tmp_path / "full"), _losses(tmp_path / "crashed")
     assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
     assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([want[s] for s in (3, 4, 5, 6)], rel=1e-3), (got, want)
     res = [json.loads((tmp_path / d / "results.json").read_text())["test"] for d in ("full", "crashed")]
