@@ -3,9 +3,10 @@ configurations swept (one device call). The defaults in ops/pd_select/triton_ste
 
     PYTHONPATH=. python bench/ste_kernels.py [--batch 16 --length 4096 --heads 32 --state 32 --members 32]
 
-Rows: the selector kernel (r) per tile size x warps, the dictionary kernel (G) per segment x token block x
-warps, and for scale the pd_transition kernels and the split-plane scan. Each is checked against the torch path
-(float32) before it is timed (median of CUDA-event timings).
+Rows: the selector kernel (r) per tile size x warps, in its gather form (float32 layers) and its tensor-core form
+(TF32: half-precision layers), the dictionary kernel (G) per segment x token block x warps, and for scale the
+pd_transition kernels and the split-plane scan. Each is checked against the torch path (float32) before it is
+timed (median of CUDA-event timings).
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ def main():
                 err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                 print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
                       f"{err:.1e} |", flush=True)
+    for block_t in (64, 128):
+        for rows in (2, 4, 8):
+            for warps in (4, 8):
+                for bf16 in (False, True):
+                    cfg = {"block_t": block_t, "rows": rows, "num_warps": warps, "repeat": 1, "bf16": bf16}
+                    run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
+                                                   selector_config=cfg, parts=("selector",), precision="tf32")
+                    try:
+                        r = run()[1]
+                    except Exception as e:  # e.g. out of shared memory at the largest tiles
+                        print(f"| selector, tensor cores | {cfg} | failed: {type(e).__name__} | - |")
+                        continue
+                    err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
+                    print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, {rows} rows "
+                          f"of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
     for name, ks in (("uniform", kstar), ("skewed", skewed)):
         for seg in (128, 256, 512):
             for bt in (32, 64):

@@ -1,5 +1,10 @@
 """The straight-through selection equals autograd through the dense surrogate P_hard + P_soft - P_soft.detach()."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -70,3 +75,37 @@ def test_shape_errors():
         pd_select_scan(M, sel[..., :3], D, b, x0)
     with pytest.raises(ValueError, match="tau"):
         pd_select_scan(M, sel, D, b, x0, tau=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32])
+def test_selector_sum_on_tensor_cores_interpreted(dtype):
+    """The TF32 form of the selector sum (the tokens' outer products times the members' indicator matrices,
+    `triton_ste._selector_dot_kernel`) equals the gather form's maths under Triton's interpreter, where its products
+    are exact: odd sizes, padding, an initial state, several token blocks and Q-row chunks per program."""
+    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+    code = textwrap.dedent("""
+        import torch
+        from llm_surgery.ops.pd_select.function import selector_grad
+        from llm_surgery.ops.pd_select.triton_ste import ste_grads_triton
+        torch.manual_seed(0)
+        worst = 0.0
+        for N, K, with_x0 in ((20, 7, True), (32, 32, False)):
+            B, H, L = 2, 3, 77
+            lam, D, x = (torch.randn(B, H, L, N, dtype={dtype}) for _ in range(3))
+            x0 = torch.randn(B, H, N, dtype={dtype}) if with_x0 else None
+            mask = (torch.rand(B, L) > 0.3).long()
+            kstar = torch.randint(0, K, (B, H, L))
+            P = torch.randint(0, N, (H, K, N)).to(torch.int16)
+            _, r = ste_grads_triton(P, kstar, lam, D, x, x0, mask, K, parts=("selector",), precision="tf32",
+                                    selector_config={{"block_t": 16, "rows": 4, "num_warps": 4, "repeat": 2}})
+            x_prev = torch.cat([torch.zeros_like(x[:, :, :1]) if x0 is None else x0.unsqueeze(2), x[:, :, :-1]], 2)
+            r0 = selector_grad(P, lam, D * x_prev * mask[:, None, :, None])
+            worst = max(worst, ((r - r0).abs().max() / r0.abs().max()).item())
+        print(worst)
+    """).format(dtype=dtype)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5

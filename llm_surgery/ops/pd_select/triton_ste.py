@@ -2,9 +2,12 @@
 lam = dL/db and dx_t = D_t * x_{t-1} (x_{-1} = x0; zero at padding steps):
 
   r[b,h,t,k]  = sum_m Re(conj(lam[b,h,t,P_dict[h,k,m]]) * dx[b,h,t,m])   one program per (token block, head,
-                batch) on [tokens, members, entries] tiles: the gathers of one token all read one row of lam,
-                already in L1 (any permutation inside a cache line costs what a plain load does), with the
-                entries across the lanes of a warp.
+                batch). Exact float32 (float32 layers): [tokens, members, entries] tiles of gathers, which all
+                read one row of lam, already in L1, with the entries across the lanes of a warp. TF32 (half-
+                precision layers): on the tensor cores, as the tokens' outer products Re(conj(lam_t) dx_t^T),
+                flattened to N*N columns, times the members' flattened 0/1 matrices [N*N, K]: N/2 times the
+                multiply-adds of the gathers, but 1.3x faster alone at N = K = 32 and 2-4% off the layer's
+                training step (BENCHMARKS.md).
   G[h,k,n,m]  = sum_{tokens with k*=k} Re(conj(lam[n]) dx[m])            tokens sorted by (head, k*), then one
                 program per (head, member, slice of SEG tokens, output tile) runs a GEMM over its slice with
                 tl.dot and adds it into G atomically; the grid lists only non-empty slices. Slicing matters:
@@ -95,6 +98,50 @@ def _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_p
 
 
 @triton.jit
+def _selector_dot_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, p_ptr, r_ptr, L,
+                         s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn,
+                         K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, ROWS: tl.constexpr, REPEAT: tl.constexpr, PRECISION: tl.constexpr,
+                         BF16: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
+    """r on tensor cores: r[t, k] = sum_{n, m} Q_t[n, m] [P_k[m] == n] with Q_t[n, m] = Re(conj(lam_t[n]) dx_t[m]),
+    i.e. the tokens' outer products [T, N*N] times the members' flattened indicator matrices [N*N, K], ROWS rows
+    n of Q at a time. Twice the flops of a gather per (token, member) but on the tensor cores, with no gathers."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    n = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    j = tl.arange(0, ROWS)
+    # the members' destinations, [m, k]; -1 outside N x K matches no row
+    dest = tl.load(p_ptr + (h * K + k[None, :]) * N + n[:, None], mask=(n[:, None] < N) & (k[None, :] < K),
+                   other=-1)
+    head = b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+    x0_off = tl.zeros((BLOCK_T,), dtype=tl.int64) + (b * x0_sb + h * x0_sh)
+    for rep in range(REPEAT):
+        t = (tl.program_id(0) * REPEAT + rep) * BLOCK_T + tl.arange(0, BLOCK_T)
+        base = tl.zeros((BLOCK_T,), dtype=tl.int64) + head
+        dre, dim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, b, h, t, n, L, base, s_l, s_n, x0_off,
+                            x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
+        row = base + t * s_l
+        tmask = t < L
+        acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for n0 in tl.static_range(0, BLOCK_N, ROWS):
+            src = row[:, None] + (n0 + j[None, :]) * s_n
+            lmask = tmask[:, None] & (n0 + j[None, :] < N)
+            q = tl.load(lam_re + src, mask=lmask, other=0.0)[:, :, None] * dre[:, None, :]
+            if COMPLEX:
+                q += tl.load(lam_im + src, mask=lmask, other=0.0)[:, :, None] * dim[:, None, :]
+            pick = (dest[None, :, :] == (n0 + j)[:, None, None])                           # [ROWS, m, k]
+            q = tl.reshape(q, (BLOCK_T, ROWS * BLOCK_N))
+            pick = tl.reshape(pick, (ROWS * BLOCK_N, BLOCK_K))
+            if BF16:
+                acc += tl.dot(q.to(tl.bfloat16), pick.to(tl.bfloat16))
+            else:
+                acc += tl.dot(q, pick.to(tl.float32), input_precision=PRECISION)
+        out_row = ((b.to(tl.int64) * tl.num_programs(1) + h) * L + t) * K
+        tl.store(r_ptr + out_row[:, None] + k[None, :], acc, mask=tmask[:, None] & (k[None, :] < K))
+
+
+@triton.jit
 def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
                             work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -156,6 +203,10 @@ def float_planes(t: torch.Tensor | None):
 
 # Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/kernels.md).
 SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
+# the tensor-core form, where products may round to TF32 (half-precision layers): tokens per block, rows of Q per
+# product, blocks per program (more run out of shared memory: the loop is software-pipelined), and bf16 operands
+# instead of TF32 (another 1-2% off the layer's step at L = 4096 and 8192; off: 8-bit mantissas)
+SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "bf16": False}
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
 
 
@@ -168,7 +219,8 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     lam, D, x: (re, im) float32 planes [B,H,L,N] with one set of strides (im None for a real scan), or real /
     complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
     mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count. precision: the
-    dictionary products' input precision, "ieee" (exact float32) or "tf32" (tensor cores; for bf16 layers).
+    products' input precision, "ieee" (exact float32: the selector sum gathers) or "tf32" (tensor cores for both
+    sums; for half-precision layers).
     """
     lam, D, x, x0 = (p if isinstance(p, tuple) else float_planes(p) for p in (lam, D, x, x0))
     (lre, lim), (dre, dim), (xre, xim) = lam, D, x
@@ -190,8 +242,12 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     block_n = max(16, triton.next_power_of_2(N))
     G = r = None
     if "selector" in parts:
-        r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                      SELECTOR_CONFIG if selector_config is None else selector_config)
+        if precision == "ieee":
+            r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
+                          SELECTOR_CONFIG if selector_config is None else selector_config)
+        else:
+            r = _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
+                              SELECTOR_DOT_CONFIG if selector_config is None else selector_config, precision)
     if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                         DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
@@ -207,6 +263,18 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
         *planes, P, r, L, *strides, *x0_strides,
         K=K, N=N, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, REPEAT=repeat, COMPLEX=cplx, HAS_X0=has_x0,
         HAS_MASK=has_mask, num_warps=cfg["num_warps"])
+    return r
+
+
+def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg, precision):
+    r = torch.empty(B, H, L, K, device=P.device, dtype=torch.float32)
+    block_t, rows = cfg["block_t"], min(cfg["rows"], block_n)
+    repeat = max(1, min(cfg["repeat"], triton.cdiv(L, block_t)))
+    _selector_dot_kernel[(triton.cdiv(L, block_t * repeat), H, B)](
+        *planes, P, r, L, *strides, *x0_strides,
+        K=K, N=N, BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_T=block_t, ROWS=rows,
+        REPEAT=repeat, PRECISION=precision, BF16=cfg.get("bf16", False), COMPLEX=cplx, HAS_X0=has_x0, HAS_MASK=has_mask,
+        num_warps=cfg["num_warps"])
     return r
 
 
