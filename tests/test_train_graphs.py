@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from llm_surgery.train.config import TrainConfig
-from llm_surgery.train.graphs import LENGTH_MULTIPLE, SPAN_MULTIPLE, _flat_grads, refusal, run_shapes
+from llm_surgery.train.graphs import (LENGTH_MULTIPLE, SPAN_MULTIPLE, _flat_grads, prepare_summary, refusal,
+                                      run_shapes)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -85,6 +86,20 @@ def test_shapes_captured_up_front_are_those_the_loader_gives():
         seen[len(b["input_ids"]), length, min(length, -(-completion_span(b["labels"]) // SPAN_MULTIPLE) *
                                               SPAN_MULTIPLE)] += 1
     assert predicted == seen and sum(seen.values()) == count and len(seen) > 1
+
+
+def test_the_log_says_how_many_shapes_have_graphs_and_why_the_others_run_eagerly():
+    """The trainer's "CUDA graphs: ..." line counts the shapes that got a graph, not those it tried, and names a
+    failed capture (its steps then run eagerly: slower, the same results)."""
+    from collections import Counter
+    shapes = Counter({(8, 64, 32): 6, (8, 96, 32): 3, (4, 64, 32): 1})
+    ok = prepare_summary(shapes, list(shapes), None, 1.25)
+    assert ok == "3 of 3 batch shapes captured (100% of this process's micro-batches) in 1.2 s"
+    failed = prepare_summary(shapes, [(8, 64, 32)], "RuntimeError: operation not permitted when stream is capturing",
+                             0.5)
+    assert failed.startswith("1 of 3 batch shapes captured (60% of this process's micro-batches)")
+    assert failed.endswith("a capture failed, so the other shapes run eagerly: RuntimeError: operation not permitted "
+                           "when stream is capturing")
 
 
 def test_gradients_accumulate_into_one_buffer_per_dtype():

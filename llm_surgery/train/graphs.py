@@ -23,7 +23,8 @@ launches, not by the GPU: the granite3b recipe on a random-weight granite-4.0-h-
   sampler fixes the order, so the shapes are known), most frequent first, at most MAX_PREPARED of them; a shape
   met only later is run eagerly once, then captured. Captured lazily, a new shape stalls its step twice (eagerly,
   then while capturing) and with several processes every rank waits for it: on 4 H100s the first 15 of 45 steps
-  ran at half speed.
+  ran at half speed. The log line counts the shapes that got a graph; where a capture failed it says why, and the
+  shapes without a graph run eagerly (slower, the same results).
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def refusal(cfg, accelerator, model) -> str | None:
     return None
 
 
+def prepare_summary(shapes: Counter, captured: list, failed: str | None, seconds: float) -> str:
+    """The log line of `GraphedLoss.prepare`: how many batch shapes have graphs, their share of the micro-batches,
+    and, where a capture failed, why and that the other shapes run eagerly (slower, same results)."""
+    share = sum(shapes[s] for s in captured) / max(1, sum(shapes.values()))
+    line = (f"{len(captured)} of {len(shapes)} batch shapes captured ({100 * share:.0f}% of this process's "
+            f"micro-batches) in {seconds:.1f} s")
+    if failed:
+        line += f"; a capture failed, so the other shapes run eagerly: {failed}"
+    return line
+
+
 def _flat_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Point every parameter's .grad at a slice of one zeroed buffer per dtype; returns the buffers."""
     buffers = []
@@ -130,19 +142,20 @@ class GraphedLoss:
         cleared); returns what was done, for the log. The random streams are left as they were: the placeholder
         calls draw dropout masks, and a resumed run, which prepares the shapes still ahead (fewer), would otherwise
         continue from other draws than the uninterrupted run."""
-        t0, chosen = time.perf_counter(), [s for s, _ in shapes.most_common(MAX_PREPARED)]
+        t0, captured = time.perf_counter(), []
         with torch.random.fork_rng(devices=[device]):
-            for batch, length, span in chosen:
+            for batch, length, span in (s for s, _ in shapes.most_common(MAX_PREPARED)):
                 ids = torch.zeros(batch, length, dtype=torch.long, device=device)
                 mask = torch.ones(batch, length, dtype=torch.bool, device=device)
                 labels = torch.zeros(batch, span, dtype=torch.long, device=device)
+                graphs_before = len(self.graphs.graphs)
                 for _ in range(2):  # eagerly, then captured
                     self.graphs(ids, mask, labels)
+                if len(self.graphs.graphs) > graphs_before:
+                    captured.append((batch, length, span))
         self.zero_grad()
         torch.cuda.synchronize(device)
-        share = sum(shapes[s] for s in chosen) / max(1, sum(shapes.values()))
-        return (f"{len(chosen)} of {len(shapes)} batch shapes captured ({100 * share:.0f}% of this process's "
-                f"micro-batches) in {time.perf_counter() - t0:.1f} s")
+        return prepare_summary(shapes, captured, self.graphs.failed, time.perf_counter() - t0)
 
     def zero_grad(self) -> None:
         for flat in self.flat:
