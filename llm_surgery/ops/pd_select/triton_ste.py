@@ -105,7 +105,7 @@ def _selector_dot_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, m
                          BF16: tl.constexpr, COMPLEX: tl.constexpr, HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr):
     """r on tensor cores: r[t, k] = sum_{n, m} Q_t[n, m] [P_k[m] == n] with Q_t[n, m] = Re(conj(lam_t[n]) dx_t[m]),
     i.e. the tokens' outer products [T, N*N] times the members' flattened indicator matrices [N*N, K], ROWS rows
-    n of Q at a time. Twice the flops of a gather per (token, member) but on the tensor cores, with no gathers."""
+    n of Q at a time: N/2 times the multiply-adds of the gathers, but on the tensor cores and with no gathers."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     n = tl.arange(0, BLOCK_N)
@@ -273,8 +273,8 @@ def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, h
     _selector_dot_kernel[(triton.cdiv(L, block_t * repeat), H, B)](
         *planes, P, r, L, *strides, *x0_strides,
         K=K, N=N, BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_T=block_t, ROWS=rows,
-        REPEAT=repeat, PRECISION=precision, BF16=cfg.get("bf16", False), COMPLEX=cplx, HAS_X0=has_x0, HAS_MASK=has_mask,
-        num_warps=cfg["num_warps"])
+        REPEAT=repeat, PRECISION=precision, BF16=cfg.get("bf16", False), COMPLEX=cplx, HAS_X0=has_x0,
+        HAS_MASK=has_mask, num_warps=cfg["num_warps"])
     return r
 
 
