@@ -392,7 +392,7 @@ class FlashPDSSM(nn.Module):
         def per_column(t):   # [B, ...] -> [B * P, ...], sequence b's rows at b * P .. b * P + P - 1
             return t.unsqueeze(1).expand(Bsz, P, *t.shape[1:]).reshape(Bsz * P, *t.shape[1:])
 
-        m = None if mask is None else mask.repeat_interleave(P, dim=0)
+        m = None if mask is None else per_column(mask)
         x0 = x0.transpose(1, 2).reshape(Bsz * P, H, N)
         X = self._scan(per_column(sel), per_column(D), writes, x0, m).view(Bsz, P, H, L, N)
         query = torch.einsum("blhp,hpn->bhln", u.view(Bsz, L, H, P).to(X.dtype), self._values(self.C).to(X.dtype))
