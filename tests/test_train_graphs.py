@@ -211,8 +211,7 @@ def test_graphed_run_trains_like_an_eager_run(tmp_path, tiny_host_dir, kind):
                  "--save-every", "0", "--output-dir", str(out), *([] if graphs else ["--no-cuda-graphs"])])
         # a failed capture falls back to eager steps, which would pass the comparison below unseen
         assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[graphs] = [r["loss"] for r in records if "loss" in r]
+        losses[graphs] = list(_losses(out).values())
     assert len(losses[True]) == 12
     assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
 
@@ -260,8 +259,7 @@ def test_graphed_run_on_two_gpus_trains_like_ddp(tmp_path, tiny_host_dir):
         assert proc.returncode == 0, proc.stderr[-5000:]
         log = proc.stdout + proc.stderr
         assert ("CUDA graphs: on" in log) == graphs and "capture failed" not in log
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        got[graphs] = ([r["loss"] for r in records if "loss" in r],
+        got[graphs] = (list(_losses(out).values()),
                        json.loads((out / "results.json").read_text())["test"]["token_accuracy"])
     assert len(got[True][0]) == 10
     assert got[True][0] == pytest.approx(got[False][0], rel=2e-2), got
