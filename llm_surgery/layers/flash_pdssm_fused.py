@@ -8,10 +8,11 @@ node (`fused_middle`); the layer runs it under `backend="auto"` or `"kernel"`.
 
 Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_readout`), which is its reference in
 tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
-complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the states and the
-weights: the projection, D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one
-batch slice. The per-head products around the scan (readout, its backward, the injection's backward) are Triton
-kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout.
+complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the projection (in
+u's dtype), the states and the weights: D, P_t and k* are recomputed per slice, and every state-sized temporary
+lives for one batch slice. The per-head products around the scan (readout, its backward, the injection's
+backward) are Triton kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's
+[B, L, H*P] layout.
 
 Second form, where `one_kernel_pays` (`triton_middle.CONFIG`: decode steps by default; longer sequences only when
 asked, slower there): after the projection, each pass is one Triton kernel per (sequence, head) with the state on
@@ -140,6 +141,10 @@ class _FusedMiddle(torch.autograd.Function):
     # activations are alive, so they add straight onto the layer's peak memory, while each slice costs some
     # fixed launch work (bench/layer_compare.py --pdssm-slice-mib measures the trade-off).
     SLICE_BYTES = 1 << 31
+    # the separate kernels' backward reads the projection again: kept from the forward (in u's dtype, 2W bytes a
+    # token and head, less than the float32 states kept beside it) instead of a second x_proj product. At width
+    # 1024, B=32 on an H100: 4% off forward + backward at L = 4096 and 8192, for 10-20% more peak (BENCHMARKS.md)
+    KEEP_PROJECTION = True
 
     @staticmethod
     def _slices(B, L, H, N, K, P, W):
@@ -187,11 +192,16 @@ class _FusedMiddle(torch.autograd.Function):
         last_im = torch.empty_like(last_re)
         x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
         y = torch.empty_like(u)
+        keep_proj = grad and not one_kernel and _FusedMiddle.KEEP_PROJECTION
+        proj_kept = torch.empty(B, L, H * W, dtype=u.dtype, device=u.device) if keep_proj else None
         slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
                   else _FusedMiddle._slices(B, L, H, N, K, P, W))
         for sl in slices:
             b = u[sl].shape[0]
-            proj = F.linear(u[sl], Wu).view(b, L, H, W)
+            if keep_proj:
+                proj = torch.matmul(u[sl], Wu.t(), out=proj_kept[sl]).view(b, L, H, W)
+            else:
+                proj = F.linear(u[sl], Wu).view(b, L, H, W)
             m = None if mask is None else mask[sl]
             if one_kernel:
                 triton_middle.middle_fwd(proj, u[sl], Bf, Cf, skip, decay_bias, P_dict, x0_re[sl], x0_im[sl], m,
@@ -214,19 +224,21 @@ class _FusedMiddle(torch.autograd.Function):
             del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
             last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
-        ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask)
+        ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj_kept)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         ctx.one_kernel = one_kernel
         return y, last_re, last_im
 
     @staticmethod
     def backward(ctx, g_y, g_last_re, g_last_im):
-        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask = ctx.saved_tensors
+        u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj = ctx.saved_tensors
         # float32 layers keep exact float32 products (their reference's precision); half layers use TF32
         precision = "ieee" if u.dtype == torch.float32 else "tf32"
-        backward = _FusedMiddle._backward_one_kernel if ctx.one_kernel else _FusedMiddle._backward
-        return backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip,
-                        mask, precision)
+        if ctx.one_kernel:
+            return _FusedMiddle._backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict,
+                                                     Bw, x0, x_re, x_im, C, D_skip, mask, precision)
+        return _FusedMiddle._backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re,
+                                      x_im, C, D_skip, mask, precision, proj)
 
     @staticmethod
     def _backward_one_kernel(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C,
@@ -271,7 +283,7 @@ class _FusedMiddle(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_y, g_last_re, g_last_im, u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask,
-                  precision):
+                  precision, proj_kept):
         from ..ops.pd_scan.cuda import pd_scan_bwd_cuda_split
         from ..ops.pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
         from ..ops.pd_select.triton_readout import injection_bwd, injection_fwd, readout_bwd
@@ -298,7 +310,7 @@ class _FusedMiddle(torch.autograd.Function):
             if g_last_im is not None:
                 g_im[:, :, -1] += g_last_im[sl]
             # scan backward; dL/db overwrites dL/dx (the kernel stages each chunk of dL/dx before writing it)
-            proj = F.linear(u[sl], Wu).view(b, L, H, W)
+            proj = (F.linear(u[sl], Wu) if proj_kept is None else proj_kept[sl]).view(b, L, H, W)
             D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             gD_re, gD_im = torch.empty_like(D_re), torch.empty_like(D_im)
             *_, g.x0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
