@@ -3,6 +3,7 @@ through, the temperature it reads from memory, and (on a GPU) a graphed run that
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = ("-m", "llm_surgery.train")
 CRASH_AFTER_STEP_3 = (str(REPO / "tests" / "crash_after_step.py"), "3")   # the trainer, SIGKILLed after step 3
+ALL_SHAPES_CAPTURED = re.compile(r"CUDA graphs: ([1-9]\d*) of \1 batch shapes captured \(100% ")   # prepare's line
 
 
 def _train(launcher: list[str], flags: list[str], out: Path, *more: str, script=TRAINER):
@@ -229,6 +231,7 @@ def test_graphed_run_with_dropout_killed_and_resumed_continues_its_losses(tmp_pa
              "--save-every", "2"]
     full = _train([sys.executable], flags, tmp_path / "full")
     assert full.returncode == 0 and "CUDA graphs: on" in full.stdout + full.stderr, full.stderr[-5000:]
+    assert ALL_SHAPES_CAPTURED.search(full.stdout + full.stderr), full.stderr[-5000:]   # graphs counted as made
     crashed = _train([sys.executable], flags, tmp_path / "run", script=CRASH_AFTER_STEP_3)
     assert crashed.returncode != 0
     resumed = _train([sys.executable], flags, tmp_path / "run", "--resume", "latest")
@@ -282,6 +285,7 @@ def test_graphed_run_on_two_gpus_killed_and_resumed_continues_its_losses(tmp_pat
     assert proc.returncode != 0 and not (tmp_path / "crashed" / "results.json").exists()
     proc = _train(launcher, flags, tmp_path / "crashed", "--resume", "latest")
     assert proc.returncode == 0 and "CUDA graphs: on" in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    assert ALL_SHAPES_CAPTURED.search(proc.stdout + proc.stderr), proc.stderr[-5000:]
     want, got = _losses(tmp_path / "full"), _losses(tmp_path / "crashed")
     assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
     assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([want[s] for s in (3, 4, 5, 6)], rel=1e-3), (got, want)
