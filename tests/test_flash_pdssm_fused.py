@@ -138,16 +138,20 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
         print(json.dumps(_compare("cpu", cases={cases!r}, **{sizes!r})))
     """)
     cases = cases or [(g, {}) for g in GATES] + DRIFT
-    groups = [cases[i::min(len(cases), os.cpu_count() or 1)] for i in range(min(len(cases), os.cpu_count() or 1))]
+    n = min(len(cases), os.cpu_count() or 1)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     runs = [subprocess.Popen([sys.executable, "-c", code.format(tests=os.path.dirname(__file__), one_kernel=one_kernel,
-                                                                 cases=group, sizes=sizes)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in groups]
+                                                                 cases=cases[i::n], sizes=sizes)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
     worst = {}
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=900)
-        assert run.returncode == 0, stderr[-3000:]
-        worst.update(json.loads(stdout.strip().splitlines()[-1]))
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=900)
+            assert run.returncode == 0, stderr[-3000:]
+            worst.update(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for run in runs:
+            run.kill()
     assert len(worst) == 2 * len(cases), "a case is missing from the subprocesses' results"
     _assert_close(worst, 1e-5)
 
