@@ -109,3 +109,18 @@ def test_selector_sum_on_tensor_cores_interpreted(dtype):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("N,kernel", [(32, "_selector_dot"), (40, "_selector")])
+def test_half_precision_selector_sum_uses_the_tensor_cores_only_where_its_kernel_fits(monkeypatch, N, kernel):
+    """TF32 layers take the tensor-core selector sum up to 32 state entries; beyond, its kernel spills registers
+    (`triton_ste.SELECTOR_DOT_MAX_BLOCK_N`) and the gathers run."""
+    pytest.importorskip("triton", reason="the straight-through kernels' module needs the triton package")
+    from llm_surgery.ops.pd_select import triton_ste
+    called = []
+    for name in ("_selector", "_selector_dot"):
+        monkeypatch.setattr(triton_ste, name, lambda *args, name=name: called.append(name))
+    planes = torch.zeros(1, 2, 5, N, dtype=torch.complex64)
+    triton_ste.ste_grads_triton(torch.zeros(2, 3, N, dtype=torch.int16), torch.zeros(1, 2, 5, dtype=torch.long),
+                                planes, planes, planes, parts=("selector",), precision="tf32")
+    assert called == [kernel]

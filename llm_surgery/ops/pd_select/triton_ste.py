@@ -7,7 +7,7 @@ lam = dL/db and dx_t = D_t * x_{t-1} (x_{-1} = x0; zero at padding steps):
                 precision layers): on the tensor cores, as the tokens' outer products Re(conj(lam_t) dx_t^T),
                 flattened to N*N columns, times the members' flattened 0/1 matrices [N*N, K]: N/2 times the
                 multiply-adds of the gathers, but 1.3x faster alone at N = K = 32 and 2-4% off the layer's
-                training step (BENCHMARKS.md).
+                training step (BENCHMARKS.md); states over 32 entries keep the gathers (SELECTOR_DOT_MAX_BLOCK_N).
   G[h,k,n,m]  = sum_{tokens with k*=k} Re(conj(lam[n]) dx[m])            tokens sorted by (head, k*), then one
                 program per (head, member, slice of SEG tokens, output tile) runs a GEMM over its slice with
                 tl.dot and adds it into G atomically; the grid lists only non-empty slices. Slicing matters:
@@ -207,6 +207,11 @@ SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens 
 # product, blocks per program (more run out of shared memory: the loop is software-pipelined), and bf16 operands
 # instead of TF32 (another 1-2% off the layer's step at L = 4096 and 8192; off: 8-bit mantissas)
 SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "bf16": False}
+# the tensor-core form holds [tokens, BLOCK_N] tiles of dx and the members' [BLOCK_N, BLOCK_K] destinations in
+# registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 40 in a granite-4.0-h-micro host's layers) ptxas
+# spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
+# registers and none at N = K = 32), so larger states keep the gathers
+SELECTOR_DOT_MAX_BLOCK_N = 32   # bench/selector_dot_registers.py
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
 
 
@@ -220,7 +225,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
     mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count. precision: the
     products' input precision, "ieee" (exact float32: the selector sum gathers) or "tf32" (tensor cores for both
-    sums; for half-precision layers).
+    sums, the selector's for N <= SELECTOR_DOT_MAX_BLOCK_N; for half-precision layers).
     """
     lam, D, x, x0 = (p if isinstance(p, tuple) else float_planes(p) for p in (lam, D, x, x0))
     (lre, lim), (dre, dim), (xre, xim) = lam, D, x
@@ -242,7 +247,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     block_n = max(16, triton.next_power_of_2(N))
     G = r = None
     if "selector" in parts:
-        if precision == "ieee":
+        if precision == "ieee" or block_n > SELECTOR_DOT_MAX_BLOCK_N:
             r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                           SELECTOR_CONFIG if selector_config is None else selector_config)
         else:
