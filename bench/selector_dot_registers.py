@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llm_surgery.ops.pd_select.triton_ste import _selector_dot_kernel
+from llm_surgery.ops.pd_select.triton_ste import SELECTOR_DOT_CONFIG, _selector_dot_kernel, selector_dot_sizes
 
 POINTERS = {"mask_ptr": "*i8", "p_ptr": "*i32"}
 
@@ -26,8 +26,8 @@ POINTERS = {"mask_ptr": "*i8", "p_ptr": "*i32"}
 def resources(N: int, K: int, block_t: int, rows: int, num_warps: int = 4) -> str:
     """'REG:n STACK:bytes' of the kernel for a complex layer's planes at state N and K members (TF32)."""
     names = list(_selector_dot_kernel.arg_names)
-    const = dict(K=K, N=N, BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_K=max(16, triton.next_power_of_2(K)),
-                 BLOCK_T=block_t, ROWS=rows, REPEAT=1, PRECISION="tf32", BF16=False, COMPLEX=True, HAS_X0=False,
+    sizes = selector_dot_sizes(N, K, dict(SELECTOR_DOT_CONFIG, block_t=block_t, rows=rows))
+    const = dict(K=K, N=N, **sizes, REPEAT=1, PRECISION="tf32", BF16=False, COMPLEX=True, HAS_X0=False,
                  HAS_MASK=False)
     sig = {a: "constexpr" if a in const else POINTERS.get(a, "*fp32" if a.endswith(("_re", "_im", "_ptr")) else "i32")
            for a in names}

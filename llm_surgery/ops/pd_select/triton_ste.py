@@ -247,7 +247,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     block_n = max(16, triton.next_power_of_2(N))
     G = r = None
     if "selector" in parts:
-        if precision == "ieee" or block_n > SELECTOR_DOT_MAX_BLOCK_N:
+        if not selector_on_tensor_cores(N, precision):
             r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                           SELECTOR_CONFIG if selector_config is None else selector_config)
         else:
@@ -257,6 +257,20 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                         DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
     return G, r
+
+
+def selector_on_tensor_cores(N: int, precision: str) -> bool:
+    """Whether `ste_grads_triton` runs the selector sum's tensor-core form (its `selector_config` is then one of
+    SELECTOR_DOT_CONFIG's shape) rather than the gathers (SELECTOR_CONFIG's)."""
+    return precision != "ieee" and max(16, triton.next_power_of_2(N)) <= SELECTOR_DOT_MAX_BLOCK_N
+
+
+def selector_dot_sizes(N: int, K: int, cfg: dict) -> dict:
+    """The tensor-core selector kernel's block sizes for N state entries, K members and a SELECTOR_DOT_CONFIG-shaped
+    config (also what bench/selector_dot_registers.py compiles)."""
+    block_n = max(16, triton.next_power_of_2(N))
+    return dict(BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_T=cfg["block_t"],
+                ROWS=min(cfg["rows"], block_n))
 
 
 def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg):
@@ -273,13 +287,12 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
 
 def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg, precision):
     r = torch.empty(B, H, L, K, device=P.device, dtype=torch.float32)
-    block_t, rows = cfg["block_t"], min(cfg["rows"], block_n)
-    repeat = max(1, min(cfg["repeat"], triton.cdiv(L, block_t)))
-    _selector_dot_kernel[(triton.cdiv(L, block_t * repeat), H, B)](
+    sizes = selector_dot_sizes(N, K, cfg)
+    repeat = max(1, min(cfg["repeat"], triton.cdiv(L, sizes["BLOCK_T"])))
+    _selector_dot_kernel[(triton.cdiv(L, sizes["BLOCK_T"] * repeat), H, B)](
         *planes, P, r, L, *strides, *x0_strides,
-        K=K, N=N, BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_T=block_t, ROWS=rows,
-        REPEAT=repeat, PRECISION=precision, BF16=cfg.get("bf16", False), COMPLEX=cplx, HAS_X0=has_x0,
-        HAS_MASK=has_mask, num_warps=cfg["num_warps"])
+        K=K, N=N, **sizes, REPEAT=repeat, PRECISION=precision, BF16=cfg.get("bf16", False), COMPLEX=cplx,
+        HAS_X0=has_x0, HAS_MASK=has_mask, num_warps=cfg["num_warps"])
     return r
 
 
