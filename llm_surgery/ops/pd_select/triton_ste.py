@@ -251,7 +251,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
             r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                           SELECTOR_CONFIG if selector_config is None else selector_config)
         else:
-            r = _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
+            r = _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask,
                               SELECTOR_DOT_CONFIG if selector_config is None else selector_config, precision)
     if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
@@ -285,7 +285,7 @@ def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_m
     return r
 
 
-def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg, precision):
+def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, cfg, precision):
     r = torch.empty(B, H, L, K, device=P.device, dtype=torch.float32)
     sizes = selector_dot_sizes(N, K, cfg)
     repeat = max(1, min(cfg["repeat"], triton.cdiv(L, sizes["BLOCK_T"])))
