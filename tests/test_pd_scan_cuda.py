@@ -400,3 +400,41 @@ def test_pd_scan_without_the_range_check_has_no_host_sync():
     g.replay()
     torch.cuda.synchronize()
     assert _rel(x, eager.to(torch.complex128)) < 1e-6
+
+
+@pytest.mark.parametrize("N,K,L,with_mask", [(32, 32, 700, True), (20, 5, 129, False), (40, 64, 300, True),
+                                             (64, 7, 1000, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_transition_form_equals_transition_then_scan(N, K, L, with_mask, dtype):
+    """`pd_scan_fwd_cuda_transition` (D_t and P_t computed in the warp kernel from a layer's projection) against
+    pd_transition's kernel followed by the split scan: tied selector logits (the first wins), padding steps, an
+    initial state, both drift options, every projection dtype."""
+    cuda = _cuda()
+    from llm_surgery.ops.pd_transition.triton_fused import transition_fwd_triton
+    g = torch.Generator(device="cuda").manual_seed(N + K + L)
+    B, H, W = 3, 4, K + 2 * N + 1
+    proj = torch.randn(B, L, H, W, device="cuda", generator=g).to(dtype)
+    proj[:, ::7, :, :K] = 0.25                  # all logits tied: member 0
+    proj[:, 1::5, :, 0] = proj[:, 1::5, :, K - 1] = 9.0   # the first and the last tied
+    proj[:, 2::9, :, K:K + N] = -12.0           # |D| near 1
+    bias = torch.randn(H * N, device="cuda", generator=g)
+    P_dict = torch.randint(0, N, (H, K, N), device="cuda", generator=g)
+    mask = (torch.rand(B, L, device="cuda", generator=g) > 0.2).long() if with_mask else None
+    b_re, b_im = (torch.randn(B, H, L, N, device="cuda", generator=g) for _ in range(2))
+    x0 = torch.randn(B, H, N, dtype=torch.complex64, device="cuda", generator=g)
+    for unit_snap, levels in ((0.0, 0), (0.05, 8)):
+        xr, xi = cuda.pd_scan_fwd_cuda_transition(proj, bias, P_dict, K, b_re, b_im, x0, mask, unit_snap, levels)
+        D_re, D_im, _, P = transition_fwd_triton(proj, bias, P_dict, K, N, mask, unit_snap, levels)
+        rr, ri = cuda.pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0, algo="warp")
+        scale = max(rr.abs().max().item(), ri.abs().max().item())
+        err = max((xr - rr).abs().max().item(), (xi - ri).abs().max().item()) / scale
+        assert err < 1e-5, (unit_snap, levels, err)
+
+
+def test_transition_form_refuses_what_its_kernel_does_not_serve():
+    cuda = _cuda()
+    proj = torch.randn(1, 8, 2, 8 + 2 * 65, device="cuda")
+    b = torch.zeros(1, 2, 8, 65, device="cuda")
+    with pytest.raises(ValueError, match="N <= 64"):
+        cuda.pd_scan_fwd_cuda_transition(proj, torch.zeros(2 * 65, device="cuda"),
+                                         torch.zeros(2, 8, 65, dtype=torch.long, device="cuda"), 8, b, b)
