@@ -25,8 +25,6 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--state", type=int, default=32)
     ap.add_argument("--members", type=int, default=32)
-    ap.add_argument("--fused-only", action="store_true", help="only the rows of both sums in one kernel (and the "
-                    "two kernels they replace)")
     args = ap.parse_args()
     import triton
 
@@ -55,7 +53,7 @@ def main():
     G_skew = dictionary_grad(skewed, lam_c, dx, K)
     del x_prev, dx
     print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
-    for tile in () if args.fused_only else (1024, 2048, 4096):
+    for tile in (1024, 2048, 4096):
         for warps in (1, 2, 4):
             for repeat in (1, 8, 32):
                 cfg = {"tile": tile, "num_warps": warps, "repeat": repeat}
@@ -65,7 +63,7 @@ def main():
                 err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                 print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
                       f"{err:.1e} |", flush=True)
-    if selector_on_tensor_cores(N, "tf32") and not args.fused_only:
+    if selector_on_tensor_cores(N, "tf32"):
         for block_t in (64, 128):
             for rows in (2, 4, 8):
                 for warps in (4, 8):
@@ -81,9 +79,9 @@ def main():
                         err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                         print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, "
                               f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
-    elif not args.fused_only:   # ste_grads_triton runs the gathers there, whatever config it is given
+    else:   # ste_grads_triton runs the gathers there, whatever config it is given
         print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
-    for name, ks in () if args.fused_only else (("uniform", kstar), ("skewed", skewed)):
+    for name, ks in (("uniform", kstar), ("skewed", skewed)):
         for seg in (128, 256, 512):
             for bt in (32, 64):
                 for warps in (4, 8):
@@ -95,30 +93,6 @@ def main():
                     err = ((G - ref).abs().max() / ref.abs().max()).item()
                     print(f"| dictionary ({name} selection) | seg {seg}, block {bt}, {warps} warps | "
                           f"{timed(run):.3f} | {err:.1e} |", flush=True)
-    if selector_on_tensor_cores(N, "tf32"):   # both sums in one pass (triton_ste.FUSED_SUMS), against the two apart
-        sep = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1}
-        both = lambda: (ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K, parts=("selector",),  # noqa: E731
-                                         precision="tf32"),
-                        ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K, parts=("dictionary",),
-                                         precision="tf32"))
-        print(f"| selector (tensor cores) + dictionary, two kernels | defaults | {timed(both):.3f} | - |", flush=True)
-        for name, ks in (("uniform", kstar), ("skewed", skewed)):
-            for bt in (16, 32, 64):
-                for rows in (2, 4, 8):
-                    for warps in (4, 8):
-                        cfg = {"seg": 256, "block_t": bt, "rows": rows, "num_warps": warps}
-                        run = lambda: ste_grads_triton(P_dict, ks, lam, D, x, x0, None, K,  # noqa: E731
-                                                       dictionary_config=cfg, precision="tf32")
-                        try:
-                            G, r = run()
-                        except Exception as e:  # e.g. out of shared memory at the largest tiles
-                            print(f"| both sums, one kernel ({name}) | {cfg} | failed: {type(e).__name__} | - |")
-                            continue
-                        ref = G_ref if name == "uniform" else G_skew
-                        err = max(((G - ref).abs().max() / ref.abs().max()).item(),
-                                  ((r - r_ref).abs().max() / r_ref.abs().max()).item())
-                        print(f"| both sums, one kernel ({name} selection) | block {bt}, {rows} rows of Q, "
-                              f"{warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
     proj = torch.randn(B, L, H, K + 2 * N, device=dev, generator=g).to(torch.bfloat16)
     bias = torch.randn(H * N, device=dev, generator=g)
     D_re, D_im, ks, P = transition_fwd_triton(proj, bias, P_dict, K, N)

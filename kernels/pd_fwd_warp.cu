@@ -228,21 +228,7 @@ __device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (
 
 // 16 warps per SM at E <= 4 (128 registers each; split float32 fits since its inputs stopped being copied between
 // pipeline buffers), 8 at E = 8
-// One element of a layer's projection (ScanArgs::proj_dtype: 0 float32, 1 bfloat16, 2 float16) as its raw bits,
-// and those bits as fp32: loaded a step before they are used, converted where used (a conversion right after the
-// load would wait for it there)
-__device__ __forceinline__ unsigned proj_bits(const void* p, size_t i, int dtype) {
-  if (dtype == 0) return __ldg(static_cast<const unsigned*>(p) + i);
-  return __ldg(static_cast<const unsigned short*>(p) + i);
-}
-__device__ __forceinline__ float bits_f(unsigned v, int dtype) {
-  if (dtype == 1) return __uint_as_float(v << 16);
-  if (dtype == 2) return __half2float(__ushort_as_half(static_cast<unsigned short>(v)));
-  return __uint_as_float(v);
-}
-
-// TR: D_t and P_t computed from the projection (ScanArgs::proj) where the other forms load them
-template <int K, typename In, int E, bool TR = false>
+template <int K, typename In, int E>
 __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
   using R = Arr<K, In>;
   using A = typename R::A;
@@ -325,67 +311,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   const void *row_d = plane(a.a0_re, row0 + lane), *row_b = plane(a.a1_re, row0 + lane);
   const void *row_di = K == SPLIT ? plane(a.a0_im, row0 + lane) : nullptr;
   const void *row_bi = K == SPLIT ? plane(a.a1_im, row0 + lane) : nullptr;
-  // TR: this sequence's batch and head; step k's projection row starts at element (prow0 + k H) W, its mask at
-  // mrow0 + k; the lane's decay biases. Indices past N or Kd are clamped (plain loads, no branches), their values
-  // unused. A step's raw inputs (logits, decay logits and phases, mask) are loaded by the load_p / load_db call
-  // before the one that uses them (both are called for steps 0, 1, 2, ... in turn): a step of latency hidden, as
-  // the planes' loads are.
-  const int tb = TR ? q / a.H : 0, th = TR ? q - tb * a.H : 0;
-  const size_t prow0 = TR ? (static_cast<size_t>(tb) * a.L + ch.s0) * a.H + th : 0;
-  const size_t mrow0 = TR ? static_cast<size_t>(tb) * a.L + ch.s0 : 0;
-  float tbias[E];
-  unsigned rl[2], ra[E], rf[E];   // raw logits (lane, lane + 32), decay logits and phases (the lane's entries)
-  int rlm = 1, rdm = 1;           // raw mask values of those steps
-  if constexpr (TR) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) tbias[j] = __ldg(a.decay_bias + th * N + min(lane + 32 * j, N - 1));
-  }
-  auto proj_row = [&](int k) { return (prow0 + static_cast<size_t>(min(k, Tc - 1)) * a.H) * a.W; };
-  auto mask_at = [&](int k) { return a.mask == nullptr ? 1 : static_cast<int>(__ldg(a.mask + mrow0 + min(k, Tc - 1))); };
-  auto fetch_logits = [&](int k) {
-    const size_t r = proj_row(k);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) rl[i] = proj_bits(a.proj, r + min(lane + 32 * i, a.Kd - 1), a.proj_dtype);
-    rlm = mask_at(k);
-  };
-  auto fetch_decays = [&](int k) {
-    const size_t r = proj_row(k) + a.Kd;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int m = min(lane + 32 * j, N - 1);
-      ra[j] = proj_bits(a.proj, r + m, a.proj_dtype);
-      rf[j] = proj_bits(a.proj, r + N + m, a.proj_dtype);
-    }
-    rdm = mask_at(k);
-  };
   auto load_p = [&](int k, int (&p)[E]) {
-    if constexpr (TR) {   // k* = argmax of the selector logits (first on ties, as torch.argmax), P = P_dict[h, k*]
-      float best = -INFINITY;
-      int arg = 0;
+    const Idx* pp = row_p + k * N;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {   // a lane's logits in increasing order
-        const float v = lane + 32 * i < a.Kd ? bits_f(rl[i], a.proj_dtype) : -INFINITY;
-        if (v > best) best = v, arg = lane + 32 * i;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-        if (ov > best || (ov == best && oa < arg)) best = ov, arg = oa;
-      }
-      const bool keep = rlm != 0;
-      const Idx* pd = a.pdict + (static_cast<size_t>(th) * a.Kd + arg) * N;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const int m = lane + 32 * j;
-        p[j] = !live(j) ? pad : keep ? static_cast<int>(__ldg(pd + min(m, N - 1))) : m;
-      }
-      fetch_logits(k + 1);
-    } else {
-      const Idx* pp = row_p + k * N;
-#pragma unroll
-      for (int j = 0; j < E; ++j) p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
-    }
+    for (int j = 0; j < E; ++j) p[j] = live(j) ? static_cast<int>(__ldg(pp + 32 * j)) : pad;
   };
   // each input plane's elements [i0, i0 + n) (whole rows) handed to pf(pointer, bytes), which asks L2 for them
   auto prefetch_inputs = [&](size_t i0, int n, auto&& pf) {
@@ -398,25 +327,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     }
   };
   auto load_db = [&](int k, StepIn& s) {
-    if constexpr (TR) {   // D = |D| e^{i phi}, |D| = sigmoid(-(a + bias)) (snapped), phi (rounded); b from its planes
-      const size_t i0 = static_cast<size_t>(k) * N;
-#pragma unroll
-      for (int j = 0; j < E; ++j) s.b[j] = gload(plane(row_b, i0), plane(row_bi, i0), j);
-      const bool keep = rdm != 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        float mag = 1.f / (1.f + expf(bits_f(ra[j], a.proj_dtype) + tbias[j]));
-        if (a.snap_scale > 0.f) mag = fminf(mag * a.snap_scale, 1.f);
-        float phi = bits_f(rf[j], a.proj_dtype);
-        if (a.phase_step > 0.f) phi = floorf(phi / a.phase_step + 0.5f) * a.phase_step;
-        float sn, cs;
-        sincosf(phi, &sn, &cs);
-        const A d = keep ? make_float2(mag * cs, mag * sn) : one_v<A>();
-        s.d[j] = live(j) ? d : zero_v<A>();
-      }
-      fetch_decays(k + 1);
-      return;
-    }
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
     // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
     constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
@@ -519,10 +429,6 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A val[E];
   // steps 0 .. n - 1 in order: step(k, cur, pn, n), which calls scatter_step(val, cur, out, pn, k, n)
   auto steps_begin = [&](int n) {
-    if constexpr (TR) {   // the first step's raw inputs (each later call loads its successor's)
-      fetch_logits(0);
-      fetch_decays(0);
-    }
     load_p(0, cur.p);
     load_db(0, cur);
     if (n > 1) load_p(1, pn);
@@ -1132,11 +1038,6 @@ Kernel fwd_warp_kernel(int E) {
 }
 #define PDK_INSTANTIATE(K, In) template Kernel fwd_warp_kernel<K, In>(int);
 PDK_FORMS(PDK_INSTANTIATE)
-
-Kernel fwd_warp_transition_kernel(int E) {
-  return E == 1 ? pd_fwd_warp_kernel<SPLIT, float, 1, true> : E == 2 ? pd_fwd_warp_kernel<SPLIT, float, 2, true>
-                                                                     : nullptr;
-}
 
 int fwd_warp_entries(int N) { return warp_entries(N); }
 int fwd_warp_smem_bytes(int N, int asize) { return warp_smem_bytes(N, asize); }

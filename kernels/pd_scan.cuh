@@ -29,17 +29,6 @@ struct ScanArgs {
   int rcap;         // repair-log entries per chunk (0: the warp forward replays every chunk in full)
   int algo;         // forward: 1 block-per-chunk scatter kernel, 2 warp-per-chunk gather kernel (launch_policy.py
                     // chooses)
-  // Warp forward only, split float32 planes, N <= 64: D_t and P_t computed in the kernel from a FlashPDSSM layer's
-  // projection (pd_transition's maths, llm_surgery/ops/pd_transition/naive.py) instead of read from a0 and P.
-  // Null proj: read them. S = B * H sequences, sequence q = (batch q / H, head q % H).
-  const void* proj;          // [B, L, H, W] rows: Kd selector logits | N decay logits | N phases | ...
-  const float* decay_bias;   // [H * N]
-  const Idx* pdict;          // [H, Kd, N] the members' destinations
-  const int8_t* mask;        // [B, L], 0 = padding step (D = 1, P = identity); may be null
-  int H, W, Kd;
-  int proj_dtype;            // 0 float32, 1 bfloat16, 2 float16
-  float snap_scale;          // unit_snap: |D| = min(1, snap_scale sigmoid(-a)) (0: off)
-  float phase_step;          // phase_levels: phi rounded to a multiple of phase_step (0: off)
 };
 
 }  // namespace pdk

@@ -10,12 +10,11 @@
 #include "pd_scan.cuh"
 
 // p: P, D_re, D_im, b/g_re, b/g_im, x_re, x_im, out_re, out_im, out2_re, out2_im, x0, gx0,
-//    counter, agg_pi, agg_d, agg_v, incl, prof, rlog, link, starts, proj, decay_bias, pdict, mask   (0 = null);
-// dims: S, L, N, T, C, algo, rcap, H, W, Kd, proj_dtype;   f: snap_scale, phase_step (ScanArgs says what they are)
+//    counter, agg_pi, agg_d, agg_v, incl, prof, rlog, link, starts   (0 = null);   dims: S, L, N, T, C, algo, rcap
 static void launch(int layout, int bf16, int bwd, const std::vector<uint64_t>& p, const std::vector<int>& dims,
-                   const std::vector<double>& f, uint64_t stream) {
-  if (p.size() != 26 || dims.size() != 11 || f.size() != 2)
-    throw std::invalid_argument("pd_scan launch: expected 26 pointers, 11 dims and 2 floats");
+                   uint64_t stream) {
+  if (p.size() != 22 || dims.size() != 7)
+    throw std::invalid_argument("pd_scan launch: expected 22 pointers and 7 dims");
   auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p[i])); };
   pdk::ScanArgs a;
   a.P = static_cast<const pdk::Idx*>(ptr(0));
@@ -30,12 +29,6 @@ static void launch(int layout, int bf16, int bwd, const std::vector<uint64_t>& p
   a.starts = static_cast<const int*>(ptr(21));
   a.S = dims[0]; a.L = dims[1]; a.N = dims[2]; a.T = dims[3]; a.C = dims[4]; a.algo = dims[5];
   a.rcap = dims[6];
-  a.proj = ptr(22);
-  a.decay_bias = static_cast<const float*>(ptr(23));
-  a.pdict = static_cast<const pdk::Idx*>(ptr(24));
-  a.mask = static_cast<const int8_t*>(ptr(25));
-  a.H = dims[7]; a.W = dims[8]; a.Kd = dims[9]; a.proj_dtype = dims[10];
-  a.snap_scale = static_cast<float>(f[0]); a.phase_step = static_cast<float>(f[1]);
   const char* err = pd_scan_launch(layout, bf16, bwd, a, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
   if (err) throw std::runtime_error(std::string("pd_scan CUDA launch failed: ") + err);
 }

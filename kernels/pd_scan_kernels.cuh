@@ -15,8 +15,6 @@ template <int K, typename In> Kernel fwd_block_kernel(int bufs);
 // pd_fwd_warp.cu: the warp forward with E entries per lane (1, 2, 4, 8), E for a state of N entries, and its
 // shared memory (independent of the chunk length)
 template <int K, typename In> Kernel fwd_warp_kernel(int E);
-// the same for split float32 planes with D_t, P_t computed from a layer's projection (ScanArgs::proj), E = 1, 2
-Kernel fwd_warp_transition_kernel(int E);
 int fwd_warp_entries(int N);
 int fwd_warp_smem_bytes(int N, int asize);
 // pd_bwd.cu: the backward

@@ -42,26 +42,17 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
              WARP_MAX_N);
     return msg;
   }
-  const bool tr = !bwd && a.proj != nullptr;   // D_t, P_t from the projection: one form, the warp kernel, E <= 2
-  if (tr && !(K == SPLIT && sizeof(In) == 4 && a.algo == ALGO_WARP && a.N <= 64 && a.Kd >= 1 && a.Kd <= 64)) {
-    snprintf(msg, sizeof(msg), "transition from the projection: split float32 planes, warp kernel, N <= 64, "
-             "1 <= K <= 64 (got layout %d, %d-byte planes, kernel %d, N=%d, K=%d)", K, (int)sizeof(In), a.algo,
-             a.N, a.Kd);
-    return msg;
-  }
   const int algo = bwd ? ALGO_BLOCK : a.algo;   // the backward has one kernel
   const int Np = bwd ? (a.N + 31) / 32 * 32 : (algo == ALGO_WARP ? 32 : fwd_block(a.N, asize));
   const int sm = smem_bytes<K, In>(a.N, a.T, Np, bwd, algo);
   const int wpw = fwd_warp_buffers(a.N, asize);
   const int E = fwd_warp_entries(a.N);
   // variants: 0 backward, 1..4 block forward with 1, 2, 4, 8 per-warp buffers, 5 block forward with atomics,
-  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane, 10..11 the same from the projection (E = 1, 2)
+  // 6..9 warp forward with E = 1, 2, 4, 8 entries per lane
   const int v = bwd ? 0
-              : tr ? (E == 1 ? 10 : 11)
               : algo == ALGO_WARP ? (E == 1 ? 6 : E == 2 ? 7 : E == 4 ? 8 : 9)
                           : (wpw == 1 ? 1 : wpw == 2 ? 2 : wpw == 4 ? 3 : wpw == 8 ? 4 : 5);
-  Kernel kern = v == 0 ? bwd_kernel<K, In>() : v <= 5 ? fwd_block_kernel<K, In>(wpw)
-              : v <= 9 ? fwd_warp_kernel<K, In>(E) : fwd_warp_transition_kernel(E);
+  Kernel kern = v == 0 ? bwd_kernel<K, In>() : v <= 5 ? fwd_block_kernel<K, In>(wpw) : fwd_warp_kernel<K, In>(E);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(msg, sizeof(msg), "CUDA error pending before the pd_scan launch (from earlier work): %s",
@@ -69,7 +60,7 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
     return msg;
   }
   // per device and variant: the dynamic shared-memory limit already set (static shared memory counts too)
-  static int raised[64][12] = {};
+  static int raised[64][10] = {};
   int dev = 0;
   cudaGetDevice(&dev);
   int& done = raised[dev & 63][v];

@@ -130,15 +130,7 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
                     o.copy_(v)
             return (*(out or planes), gx0)
 
-        def fwd_transition(proj, decay_bias, P_dict, K, b_re, b_im, x0=None, mask=None, unit_snap=0.0,
-                           phase_levels=0, out=None):   # the kernel's maths: transition, then the scan
-            from llm_surgery.ops.pd_transition.triton_fused import transition_fwd_triton
-            D_re, D_im, _, P = transition_fwd_triton(proj, decay_bias, P_dict, K, b_re.shape[-1], mask, unit_snap,
-                                                     phase_levels)
-            return fwd(P, D_re, D_im, b_re, b_im, x0, out=out)
-
         cuda.pd_scan_fwd_cuda_split, cuda.pd_scan_bwd_cuda_split = fwd, bwd
-        cuda.pd_scan_fwd_cuda_transition = fwd_transition
         flash_pdssm_fused.usable = lambda u, triton_only=False: True
         flash_pdssm_fused.one_kernel_pays = lambda *args: {one_kernel!r}
         flash_pdssm_fused._FusedMiddle.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised

@@ -145,9 +145,6 @@ class _FusedMiddle(torch.autograd.Function):
     # token and head, less than the float32 states kept beside it) instead of a second x_proj product. At width
     # 1024, B=32 on an H100: 4% off forward + backward at L = 4096 and 8192, for 10-20% more peak (BENCHMARKS.md)
     KEEP_PROJECTION = True
-    # the forward's scan computes D_t and P_t from the projection inside its warp kernel
-    # (pd_scan_fwd_cuda_transition) instead of reading the planes a separate transition kernel wrote
-    TRANSITION_IN_SCAN = True
 
     @staticmethod
     def _slices(B, L, H, N, K, P, W):
@@ -169,7 +166,7 @@ class _FusedMiddle(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, Wx, decay_bias, M, Bw, x0, C, D_skip, tau, mask, b_gate, unit_snap, phase_levels, grad):
-        from ..ops.pd_scan.cuda import pd_scan_fwd_cuda_split, pd_scan_fwd_cuda_transition
+        from ..ops.pd_scan.cuda import pd_scan_fwd_cuda_split
         from ..ops.pd_transition.triton_fused import transition_fwd_triton
         from ..ops.pd_select import triton_middle
         from ..ops.pd_select.triton_readout import injection_fwd, readout_fwd
@@ -212,25 +209,19 @@ class _FusedMiddle(torch.autograd.Function):
                                          states=(x_re[sl], x_im[sl]) if keep_states else None, y=y[sl],
                                          last=(last_re[sl], last_im[sl]), precision=precision)
                 continue
+            D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             if b_gate == "off":
-                b_re = torch.zeros(b, H, L, N, dtype=torch.float32, device=u.device)
-                b_im = torch.zeros_like(b_re)
+                b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
             else:
                 b_re, b_im = injection_fwd(u[sl], Bf, precision)
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
                     b_re.mul_(gate)
                     b_im.mul_(gate)
+            del proj
             xr, xi = x_re[sl], x_im[sl]
-            if _FusedMiddle.TRANSITION_IN_SCAN:
-                pd_scan_fwd_cuda_transition(proj, decay_bias, P_dict, K, b_re, b_im, x0[sl], m, unit_snap,
-                                            phase_levels, out=(xr, xi))
-            else:
-                D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap,
-                                                           phase_levels)
-                pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
-                del D_re, D_im, P_t
-            del proj, b_re, b_im
+            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
+            del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
             last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj_kept)

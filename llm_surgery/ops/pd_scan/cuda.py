@@ -43,7 +43,7 @@ from . import launch_policy as policy
 from .launch_policy import CPLX as _CPLX, REAL as _REAL, SPLIT as _SPLIT
 
 __all__ = ["available", "supports", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
-           "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "pd_scan_fwd_cuda_transition", "SUPPORTED_DTYPES"]
+           "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 # one translation unit per kernel (ninja compiles them in parallel on first use); kernels/ holds them
@@ -167,10 +167,7 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-_NO_TRANSITION = ([0, 0, 0, 0], [0, 0, 0, 0], [0.0, 0.0])   # ScanArgs' projection fields: D and P read from planes
-
-
-def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto", transition=_NO_TRANSITION):
+def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     ext = _module()
     code = policy.algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
@@ -205,9 +202,9 @@ def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto",
     link = torch.empty(S * C * policy.link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
-                      _ptr(link), _ptr(starts)] + transition[0]
+                      _ptr(link), _ptr(starts)]
     with torch.cuda.device(device):
-        ext.launch(layout, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap] + transition[1], transition[2],
+        ext.launch(layout, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
 
 
@@ -288,48 +285,6 @@ def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, va
     ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), br.data_ptr(), bi.data_ptr(), 0, 0,
             xr.data_ptr(), xi.data_ptr(), 0, 0]
     _run(_SPLIT, D_re.dtype == torch.bfloat16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
-    return xr, xi
-
-
-_PROJ_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def pd_scan_fwd_cuda_transition(proj, decay_bias, P_dict, K, b_re, b_im, x0=None, mask=None, unit_snap=0.0,
-                                phase_levels=0, *, out=None):
-    """The split forward with D_t and P_t computed inside the warp kernel from a FlashPDSSM layer's projection, as
-    `pd_transition`'s forward computes them (maths in ops/pd_transition/naive.py; P_t = P_dict[h, argmax of the
-    K selector logits], the identity at padding), so their planes are never written or read: -> (x_re, x_im).
-
-    proj [B, L, H, W] contiguous (float32, bfloat16 or float16; W >= K + 2N); decay_bias [H*N] float32; P_dict
-    [H, K, N] (values in [0, N)); b planes float32 [B, H, L, N]; x0 complex64 [B, H, N] or None; mask [B, L] or None.
-    N <= 64, K <= 64."""
-    B, L, H, W = proj.shape
-    N = b_re.shape[-1]
-    if not proj.is_contiguous() or proj.dtype not in _PROJ_DTYPES:
-        raise ValueError(f"pd_scan transition form: proj must be contiguous float32/bfloat16/float16, got "
-                         f"{proj.dtype} with strides {proj.stride()}")
-    if N > 64 or not 1 <= K <= 64 or W < K + 2 * N:
-        raise ValueError(f"pd_scan transition form: needs N <= 64, 1 <= K <= 64 and W >= K + 2N, got N={N}, K={K}, "
-                         f"W={W}")
-    if tuple(P_dict.shape) != (H, K, N) or decay_bias.numel() != H * N:
-        raise ValueError(f"pd_scan transition form: P_dict must be [H, K, N] = {(H, K, N)} and decay_bias hold H*N "
-                         f"values, got {tuple(P_dict.shape)} and {decay_bias.numel()}")
-    for name, t in (("b_re", b_re), ("b_im", b_im)):
-        if t.shape != (B, H, L, N) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"pd_scan transition form: {name} must be contiguous float32 {(B, H, L, N)}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    S = B * H
-    xr, xi = (torch.empty_like(b_re), torch.empty_like(b_im)) if out is None else out
-    if L == 0 or S == 0:
-        return xr, xi
-    pd = P_dict.to(torch.int16).contiguous()
-    bias = decay_bias.float().contiguous()
-    m = None if mask is None else (mask != 0).to(torch.int8).contiguous()
-    x0c = _x0_fp32(x0, S, N, True)
-    ptrs = [0, 0, 0, b_re.data_ptr(), b_im.data_ptr(), 0, 0, xr.data_ptr(), xi.data_ptr(), 0, 0]
-    transition = ([proj.data_ptr(), bias.data_ptr(), pd.data_ptr(), _ptr(m)], [H, W, K, _PROJ_DTYPES[proj.dtype]],
-                  [1.0 + unit_snap if unit_snap else 0.0, 2 * math.pi / phase_levels if phase_levels else 0.0])
-    _run(_SPLIT, False, False, S, L, N, ptrs, x0c, None, proj.device, None, "warp", transition)
     return xr, xi
 
 

@@ -144,13 +144,9 @@ def _selector_dot_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, m
 @triton.jit
 def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
                             work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
-                            p_ptr, r_ptr, H,
                             K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                             SEG: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
-                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr, DX_GIVEN: tl.constexpr = False,
-                            SELECTOR: tl.constexpr = False, BLOCK_K: tl.constexpr = 16, ROWS: tl.constexpr = 4):
-    """G's grouped sums; with SELECTOR (one tile, N <= BLOCK_N) also r for every token it visits, from the same
-    lam and dx tiles (each token is in exactly one (head, member) group), as `_selector_dot_kernel` computes it."""
+                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr, DX_GIVEN: tl.constexpr = False):
     item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
     tile = tl.program_id(1)
     tile_n = tile // TILES
@@ -167,11 +163,6 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
     m = tile_m * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
-    if SELECTOR:   # the members' destinations [m, k] (-1 outside N x K matches no row), as in _selector_dot_kernel
-        kk = tl.arange(0, BLOCK_K)
-        jr = tl.arange(0, ROWS)
-        dest = tl.load(p_ptr + (h * K + kk[None, :]) * N + m[:, None], mask=(m[:, None] < N) & (kk[None, :] < K),
-                       other=-1)
     for s in range(0, SEG, BLOCK_T):    # a fixed trip count (the interpreter cannot loop to a loaded bound)
         valid = begin + s + j < end
         tok = tl.load(order_ptr + h * T + begin + s + j, mask=valid, other=0)
@@ -194,20 +185,6 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
         if COMPLEX:
             a = tl.load(lam_im + ln, mask=lmask, other=0.0)
             acc += tl.dot(tl.trans(a), cim, input_precision=PRECISION)
-        if SELECTOR:
-            rows = base + ll.to(tl.int64) * s_l
-            racc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-            for n0 in tl.static_range(0, BLOCK_N, ROWS):
-                src = rows[:, None] + (n0 + jr[None, :]) * s_n
-                qmask = valid[:, None] & (n0 + jr[None, :] < N)
-                q = tl.load(lam_re + src, mask=qmask, other=0.0)[:, :, None] * cre[:, None, :]
-                if COMPLEX:
-                    q += tl.load(lam_im + src, mask=qmask, other=0.0)[:, :, None] * cim[:, None, :]
-                pick = (dest[None, :, :] == (n0 + jr)[:, None, None])                       # [ROWS, m, k]
-                racc += tl.dot(tl.reshape(q, (BLOCK_T, ROWS * BLOCK_N)),
-                               tl.reshape(pick, (ROWS * BLOCK_N, BLOCK_K)).to(tl.float32), input_precision=PRECISION)
-            out_row = ((bb.to(tl.int64) * H + h) * L + ll) * K
-            tl.store(r_ptr + out_row[:, None] + kk[None, :], racc, mask=valid[:, None] & (kk[None, :] < K))
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
     # the emptiness test as a full tile: Triton 3.9's interpreter rejects an atomic mask built with a scalar
     nonempty = (tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.int32) + (end - begin)) > 0
@@ -236,11 +213,6 @@ SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "b
 # registers and none at N = K = 32), so larger states keep the gathers
 SELECTOR_DOT_MAX_BLOCK_N = 32   # bench/selector_dot_registers.py
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
-# where ste_grads_triton is asked for both sums and the selector's would take the tensor cores, one kernel computes
-# both: the dictionary kernel's walk over the tokens sorted by (head, k*) also forms r from the lam and dx tiles it
-# has loaded (every token is in one group), instead of a second pass over the same six state-sized planes
-FUSED_SUMS = False
-FUSED_CONFIG = {"seg": 256, "block_t": 32, "rows": 4, "num_warps": 4}
 
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
@@ -274,9 +246,6 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     P = P_dict.to(torch.int32).contiguous()
     block_n = max(16, triton.next_power_of_2(N))
     G = r = None
-    if FUSED_SUMS and set(parts) == {"dictionary", "selector"} and selector_on_tensor_cores(N, precision):
-        return _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                           FUSED_CONFIG if dictionary_config is None else dictionary_config, precision, P=P)
     if "selector" in parts:
         if not selector_on_tensor_cores(N, precision):
             r = _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
@@ -338,9 +307,7 @@ def dictionary_grad_from_dx(kstar: torch.Tensor, lam, dx, K: int, precision: str
 
 
 def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
-                precision="ieee", dx_given=False, P=None):
-    """G, or (G, r) where P (the int32 destinations) is given: the selector sum computed in the same pass
-    (`FUSED_SUMS`; one tile of N x N, so N <= 64)."""
+                precision="ieee", dx_given=False):
     device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
@@ -362,14 +329,9 @@ def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0,
     piece = torch.where(items < ends[-1], items - (ends - pieces)[hk], -(-T // seg) + 1)
     work = torch.stack([hk, piece], dim=1).to(torch.int32).contiguous()
     tiles = triton.cdiv(N, bn)
-    fused = P is not None
-    if fused and tiles != 1:
-        raise ValueError(f"the fused straight-through sums need one tile of N x N (N <= {bn}), got N={N}")
-    r = torch.empty(B, H, L, K, device=device, dtype=torch.float32) if fused else G
     if T:
         _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
-            *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles, P if fused else order, r, H,
+            *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
             K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision, COMPLEX=cplx, HAS_X0=has_x0,
-            HAS_MASK=has_mask, DX_GIVEN=dx_given, SELECTOR=fused, BLOCK_K=max(16, triton.next_power_of_2(K)),
-            ROWS=min(dcfg.get("rows", 4), bn), num_warps=dcfg["num_warps"])
-    return (G, r) if fused else G
+            HAS_MASK=has_mask, DX_GIVEN=dx_given, num_warps=dcfg["num_warps"])
+    return G
