@@ -1,12 +1,16 @@
 """The Triton kernels of the fused Flash PD-SSM backward, checked and timed at one layer's size, with launch
-configurations swept (one device call). The defaults in ops/pd_select/triton_ste.py come from this table.
+configurations swept (one device call). The defaults in ops/pd_select/triton_ste.py and triton_readout.py's backward
+configs come from this table.
 
     PYTHONPATH=. python bench/ste_kernels.py [--batch 16 --length 4096 --heads 32 --state 32 --members 32]
 
 Rows: the selector kernel (r) per tile size x warps, in its gather form (float32 layers) and its tensor-core form
-(TF32: half-precision layers), the dictionary kernel (G) per segment x token block x warps, and for scale the
-pd_transition kernels and the split-plane scan. Each is checked against the torch path (float32) before it is
-timed (median of CUDA-event timings).
+(TF32: half-precision layers), the dictionary kernel (G) per segment x token block x warps, the readout's and the
+injection's backward (ops/pd_select/triton_readout.py) per token block x blocks per program x warps
+(`--readout-only`: those alone), and for scale the pd_transition kernels and the split-plane scan. Each is checked
+before it is timed (median of CUDA-event timings): the sums against the torch path (float32), the readout's and
+injection's configs against the default config's result. Kernels this short read high here (launch gaps count);
+A/B a config in the layer before taking it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--state", type=int, default=32)
     ap.add_argument("--members", type=int, default=32)
+    ap.add_argument("--readout-only", action="store_true", help="only the readout's and injection's backward rows")
     args = ap.parse_args()
     import triton
 
@@ -53,7 +58,7 @@ def main():
     G_skew = dictionary_grad(skewed, lam_c, dx, K)
     del x_prev, dx
     print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
-    for tile in (1024, 2048, 4096):
+    for tile in () if args.readout_only else (1024, 2048, 4096):
         for warps in (1, 2, 4):
             for repeat in (1, 8, 32):
                 cfg = {"tile": tile, "num_warps": warps, "repeat": repeat}
@@ -63,7 +68,9 @@ def main():
                 err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                 print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
                       f"{err:.1e} |", flush=True)
-    if selector_on_tensor_cores(N, "tf32"):
+    if args.readout_only:
+        pass
+    elif selector_on_tensor_cores(N, "tf32"):
         for block_t in (64, 128):
             for rows in (2, 4, 8):
                 for warps in (4, 8):
@@ -81,7 +88,7 @@ def main():
                               f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
     else:   # ste_grads_triton runs the gathers there, whatever config it is given
         print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
-    for name, ks in (("uniform", kstar), ("skewed", skewed)):
+    for name, ks in () if args.readout_only else (("uniform", kstar), ("skewed", skewed)):
         for seg in (128, 256, 512):
             for bt in (32, 64):
                 for warps in (4, 8):
@@ -93,6 +100,7 @@ def main():
                     err = ((G - ref).abs().max() / ref.abs().max()).item()
                     print(f"| dictionary ({name} selection) | seg {seg}, block {bt}, {warps} warps | "
                           f"{timed(run):.3f} | {err:.1e} |", flush=True)
+    readout_rows(B, L, H, N, planes, g)
     proj = torch.randn(B, L, H, K + 2 * N, device=dev, generator=g).to(torch.bfloat16)
     bias = torch.randn(H * N, device=dev, generator=g)
     D_re, D_im, ks, P = transition_fwd_triton(proj, bias, P_dict, K, N)
@@ -110,6 +118,42 @@ def main():
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src))
     print(f"| copy of one float32 plane ({nbytes / 2**20:.0f} MiB) | - | {ms:.3f} | - |")
+
+
+def readout_rows(B, L, H, N, planes, g):
+    """The readout's and the injection's backward kernels (bf16 layer, TF32 products, head width P = N) per
+    launch configuration, each checked against the default configuration's result."""
+    from llm_surgery.ops.pd_select import triton_readout as tr
+    dev, P = "cuda", N
+    gy, u = (torch.randn(B, L, H * P, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    C, Bw = (torch.randn(H, P, N, 2, device=dev, generator=g) for _ in range(2))
+    skip = torch.randn(H, P, device=dev, generator=g)
+
+    def readout(cfg):
+        gC, gskip = torch.zeros(2, H, P, N, device=dev), torch.zeros(H, P, device=dev)
+        return (*tr.readout_bwd(gy, planes[4], planes[5], C, u, gC, gskip, "tf32", cfg), gC, gskip)
+
+    def injection(cfg):
+        gBw = torch.zeros(2, H, N, P, device=dev)
+        return tr.injection_bwd(planes[0], planes[1], gy, u, skip, Bw, gBw, "tf32", cfg), gBw
+
+    for name, run, default in (("readout bwd", readout, tr.READOUT_BWD_CONFIG),
+                               ("injection bwd", injection, tr.INJECTION_BWD_CONFIG)):
+        ref = run(default)
+        for block_l in (32, 64, 128):
+            for repeat in (1, 4, 8, 16):
+                for warps in (2, 4, 8):
+                    cfg = {"block_l": block_l, "repeat": repeat, "num_warps": warps}
+                    try:
+                        out = run(cfg)
+                    except Exception as e:  # e.g. out of shared memory at the largest tiles
+                        print(f"| {name} | {cfg} | failed: {type(e).__name__} | - |")
+                        continue
+                    err = max(((o.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                              for o, r in zip(out, ref))
+                    print(f"| {name} | {block_l} tokens x {repeat} blocks, {warps} warps"
+                          f"{' (default)' if cfg == default else ''} | {timed(lambda: run(cfg)):.3f} | {err:.1e} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

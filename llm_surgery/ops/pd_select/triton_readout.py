@@ -141,11 +141,26 @@ def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, g
         tl.atomic_add(gbw_ptr + H * N * P + go, gb_im_w, mask=wmask, sem="relaxed")
 
 
-BLOCK_L, REPEAT = 64, 8
+BLOCK_L = 64   # the forward kernels' tokens per block
+# the backward kernels' launch for heads of up to 32 x 32 (state x width; the registry's defaults): tokens per block,
+# blocks per program (whose weight gradients are summed before the program's atomic adds), warps. From `python
+# bench/ste_kernels.py --readout-only` and an A/B in the layer (H100, width 1024, B=32): 0.9% off forward + backward
+# at L=8192 against LARGE_HEAD_BWD_CONFIG for both, within noise at 2048-4096 (BENCHMARKS.md). Larger heads, whose
+# weight tiles these sizes were not measured with, keep LARGE_HEAD_BWD_CONFIG.
+READOUT_BWD_CONFIG = {"block_l": 64, "repeat": 4, "num_warps": 2}
+INJECTION_BWD_CONFIG = {"block_l": 128, "repeat": 8, "num_warps": 4}
+LARGE_HEAD_BWD_CONFIG = {"block_l": 64, "repeat": 8, "num_warps": 4}
 
 
 def _blocks(N, P):
     return max(16, triton.next_power_of_2(N)), max(16, triton.next_power_of_2(P))
+
+
+def _bwd_config(config, default, bn, bp):
+    """The given launch config, else `default` for heads of up to 32 x 32 and LARGE_HEAD_BWD_CONFIG beyond."""
+    if config is not None:
+        return config
+    return default if bn * bp <= 32 * 32 else LARGE_HEAD_BWD_CONFIG
 
 
 def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
@@ -175,33 +190,37 @@ def injection_fwd(u, Bw, precision: str):
     return b_re, b_im
 
 
-def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str):
+def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str, config: dict | None = None):
     """(dL/dx_re, dL/dx_im) [b, H, L, N] float32 from g_y [b, L, H*P]; adds into gC [2, H, P, N] (re, im) and
-    gskip [H, P] (float32)."""
+    gskip [H, P] (float32). config: READOUT_BWD_CONFIG's shape (default: `_bwd_config`'s)."""
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
+    cfg = _bwd_config(config, READOUT_BWD_CONFIG, bn, bp)
     g_re, g_im = torch.empty_like(x_re), torch.empty_like(x_im)
     if b * L:
-        rep = min(REPEAT, triton.cdiv(L, BLOCK_L))
-        _readout_bwd_kernel[(triton.cdiv(L, BLOCK_L * rep), H, b)](
+        rep = min(cfg["repeat"], triton.cdiv(L, cfg["block_l"]))
+        _readout_bwd_kernel[(triton.cdiv(L, cfg["block_l"] * rep), H, b)](
             g_y, x_re, x_im, C, u, g_re, g_im, gC, gskip, L, H, g_y.stride(0), g_y.stride(1), u.stride(0),
-            u.stride(1), rep, N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
+            u.stride(1), rep, N=N, P=P, BLOCK_L=cfg["block_l"], BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision,
+            num_warps=cfg["num_warps"])
     return g_re, g_im
 
 
-def injection_bwd(gb_re, gb_im, g_y, u, D_skip, Bw, gBw, precision: str):
+def injection_bwd(gb_re, gb_im, g_y, u, D_skip, Bw, gBw, precision: str, config: dict | None = None):
     """dL/du from the skip and the injection, [b, L, H*P] in u's dtype; adds dL/dB into gBw [2, H, N, P]
-    (float32). gb planes None: no injection (b_gate "off"), only the skip's part."""
+    (float32). gb planes None: no injection (b_gate "off"), only the skip's part. config: INJECTION_BWD_CONFIG's
+    shape (default: `_bwd_config`'s)."""
     b, L = u.shape[:2]
     H, N, P = Bw.shape[:3]
     bn, bp = _blocks(N, P)
+    cfg = _bwd_config(config, INJECTION_BWD_CONFIG, bn, bp)
     g_u = torch.empty(b, L, H * P, device=u.device, dtype=u.dtype)
     has_b = gb_re is not None
     if b * L:
-        rep = min(REPEAT, triton.cdiv(L, BLOCK_L))
-        _injection_bwd_kernel[(triton.cdiv(L, BLOCK_L * rep), H, b)](
+        rep = min(cfg["repeat"], triton.cdiv(L, cfg["block_l"]))
+        _injection_bwd_kernel[(triton.cdiv(L, cfg["block_l"] * rep), H, b)](
             gb_re if has_b else g_u, gb_im if has_b else g_u, g_y, u, D_skip, Bw, g_u, gBw if has_b else g_u, L, H,
-            g_y.stride(0), g_y.stride(1), u.stride(0), u.stride(1), rep, N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn,
-            BLOCK_P=bp, HAS_B=has_b, PRECISION=precision, num_warps=4)
+            g_y.stride(0), g_y.stride(1), u.stride(0), u.stride(1), rep, N=N, P=P, BLOCK_L=cfg["block_l"],
+            BLOCK_N=bn, BLOCK_P=bp, HAS_B=has_b, PRECISION=precision, num_warps=cfg["num_warps"])
     return g_u
