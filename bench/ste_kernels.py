@@ -68,26 +68,25 @@ def main():
                 err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                 print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
                       f"{err:.1e} |", flush=True)
-    if args.readout_only:
-        pass
-    elif selector_on_tensor_cores(N, "tf32"):
-        for block_t in (64, 128):
-            for rows in (2, 4, 8):
-                for warps in (4, 8):
-                    for bf16 in (False, True):
-                        cfg = {"block_t": block_t, "rows": rows, "num_warps": warps, "repeat": 1, "bf16": bf16}
-                        run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
-                                                       selector_config=cfg, parts=("selector",), precision="tf32")
-                        try:
-                            r = run()[1]
-                        except Exception as e:  # e.g. out of shared memory at the largest tiles
-                            print(f"| selector, tensor cores | {cfg} | failed: {type(e).__name__} | - |")
-                            continue
-                        err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
-                        print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, "
-                              f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
-    else:   # ste_grads_triton runs the gathers there, whatever config it is given
-        print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
+    if not args.readout_only:
+        if selector_on_tensor_cores(N, "tf32"):
+            for block_t in (64, 128):
+                for rows in (2, 4, 8):
+                    for warps in (4, 8):
+                        for bf16 in (False, True):
+                            cfg = {"block_t": block_t, "rows": rows, "num_warps": warps, "repeat": 1, "bf16": bf16}
+                            run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
+                                                           selector_config=cfg, parts=("selector",), precision="tf32")
+                            try:
+                                r = run()[1]
+                            except Exception as e:  # e.g. out of shared memory at the largest tiles
+                                print(f"| selector, tensor cores | {cfg} | failed: {type(e).__name__} | - |")
+                                continue
+                            err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
+                            print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, "
+                                  f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
+        else:   # ste_grads_triton runs the gathers there, whatever config it is given
+            print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
     for name, ks in () if args.readout_only else (("uniform", kstar), ("skewed", skewed)):
         for seg in (128, 256, 512):
             for bt in (32, 64):
@@ -137,8 +136,9 @@ def readout_rows(B, L, H, N, planes, g):
         gBw = torch.zeros(2, H, N, P, device=dev)
         return tr.injection_bwd(planes[0], planes[1], gy, u, skip, Bw, gBw, "tf32", cfg), gBw
 
-    for name, run, default in (("readout bwd", readout, tr.READOUT_BWD_CONFIG),
-                               ("injection bwd", injection, tr.INJECTION_BWD_CONFIG)):
+    blocks = tr._blocks(N, P)
+    for name, run, default in (("readout bwd", readout, tr._bwd_config(None, tr.READOUT_BWD_CONFIG, *blocks)),
+                               ("injection bwd", injection, tr._bwd_config(None, tr.INJECTION_BWD_CONFIG, *blocks))):
         ref = run(default)
         for block_l in (32, 64, 128):
             for repeat in (1, 4, 8, 16):
