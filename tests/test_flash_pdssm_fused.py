@@ -19,6 +19,7 @@ import torch
 GATES = (None, "sigmoid", "hard", "decay", "off")
 # the layer's options against length drift, with the gates they interact with (decay: 1 - |D| under the snap)
 DRIFT = [(gate, {"unit_snap": 3e-3, "phase_levels": 12}) for gate in (None, "decay")]  # ~1/4 of |D| clamp
+ALL_CASES = [(g, {}) for g in GATES] + DRIFT   # (b_gate, drift options) of a comparison run
 
 
 def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cases=None, **sizes):
@@ -28,7 +29,7 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cas
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
     torch.manual_seed(0)
     worst = {}
-    for gate, opts in cases or [(g, {}) for g in GATES] + DRIFT:
+    for gate, opts in cases or ALL_CASES:
         for masked in (False, True):
             ref = FlashPDSSM(width, b_gate=gate, x_init_std=0.1, tau=0.8, backend="torch", **opts, **sizes).to(
                 device=device, dtype=dtype)
@@ -137,7 +138,7 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
         from test_flash_pdssm_fused import _compare
         print(json.dumps(_compare("cpu", cases={cases!r}, **{sizes!r})))
     """)
-    cases = cases or [(g, {}) for g in GATES] + DRIFT
+    cases = cases or ALL_CASES
     n = min(len(cases), os.cpu_count() or 1)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     runs = [subprocess.Popen([sys.executable, "-c", code.format(tests=os.path.dirname(__file__), one_kernel=one_kernel,

@@ -244,7 +244,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     im = lambda p, fallback: p if p is not None else fallback  # noqa: E731 - real scans pass the re plane twice
     planes = (lre, im(lim, lre), dre, im(dim, dre), xre, im(xim, xre), x0re, im(x0im, x0re), mask_t)
     P = P_dict.to(torch.int32).contiguous()
-    block_n = max(16, triton.next_power_of_2(N))
+    block_n = _tile(N)
     G = r = None
     if "selector" in parts:
         if not selector_on_tensor_cores(N, precision):
@@ -259,18 +259,22 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     return G, r
 
 
+def _tile(n: int) -> int:
+    """The side of a kernel tile that holds n entries: a power of two, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def selector_on_tensor_cores(N: int, precision: str) -> bool:
     """Whether `ste_grads_triton` runs the selector sum's tensor-core form (its `selector_config` is then one of
     SELECTOR_DOT_CONFIG's shape) rather than the gathers (SELECTOR_CONFIG's)."""
-    return precision != "ieee" and max(16, triton.next_power_of_2(N)) <= SELECTOR_DOT_MAX_BLOCK_N
+    return precision != "ieee" and _tile(N) <= SELECTOR_DOT_MAX_BLOCK_N
 
 
 def selector_dot_sizes(N: int, K: int, cfg: dict) -> dict:
     """The tensor-core selector kernel's block sizes for N state entries, K members and a SELECTOR_DOT_CONFIG-shaped
     config (also what bench/selector_dot_registers.py compiles)."""
-    block_n = max(16, triton.next_power_of_2(N))
-    return dict(BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_T=cfg["block_t"],
-                ROWS=min(cfg["rows"], block_n))
+    block_n = _tile(N)
+    return dict(BLOCK_N=block_n, BLOCK_K=_tile(K), BLOCK_T=cfg["block_t"], ROWS=min(cfg["rows"], block_n))
 
 
 def _selector(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, cfg):
@@ -303,7 +307,7 @@ def dictionary_grad_from_dx(kstar: torch.Tensor, lam, dx, K: int, precision: str
     B, H, L, N = lre.shape
     planes = (lre, lim, xre, xim, xre, xim, xre, xim, kstar)
     return _dictionary(planes, kstar, B, H, L, N, K, lre.stride(), (0, 0, 0), True, False, False,
-                       max(16, triton.next_power_of_2(N)), DICTIONARY_CONFIG, precision, dx_given=True)
+                       _tile(N), DICTIONARY_CONFIG, precision, dx_given=True)
 
 
 def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
