@@ -7,8 +7,11 @@ namespace pdk {
 // ---------------------------------------------------------------- backward
 template <int K, typename In>
 __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
-  using R = Arr<K, In>;
-  using A = typename R::A;
+  using DT = typename Planes<In>::D;
+  using VT = typename Planes<In>::V;
+  using RD = Arr<K, DT>;   // D
+  using RV = Arr<K, VT>;   // g, x, grad_b, grad_D
+  using A = typename RV::A;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_fast;
   const int N = a.N, T = a.T, C = a.C;
@@ -25,20 +28,23 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
   // shared layout: buf[2][Np] A | D planes | g planes | x planes (slot k = x_{s0+k-1}) | P
   A* buf = reinterpret_cast<A*>(smem);
   unsigned char* sD = smem + align16(2 * Np * (int)sizeof(A));
-  const int plane_bytes = align16(T * N * R::esize);
-  unsigned char* sG = sD + R::planes * plane_bytes;
-  unsigned char* sX = sG + R::planes * plane_bytes;
-  const Idx* sP = reinterpret_cast<const Idx*>(sX + R::planes * plane_bytes);
-  const int pstride = plane_bytes / R::esize;
+  // (one size where D's type is the others': the forms with one type compile as they did before Mixed)
+  const int plane_bytes = align16(T * N * RV::esize);
+  const int dplane_bytes = kOneType<In> ? plane_bytes : align16(T * N * RD::esize);
+  unsigned char* sG = sD + RD::planes * dplane_bytes;
+  unsigned char* sX = sG + RV::planes * plane_bytes;
+  const Idx* sP = reinterpret_cast<const Idx*>(sX + RV::planes * plane_bytes);
+  const int pstride = plane_bytes / RV::esize;
+  const int dstride = kOneType<In> ? pstride : dplane_bytes / RD::esize;
 
   {
     unsigned tx = 0;
-    stage_array<K, In>(sD, plane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
-    stage_array<K, In>(sG, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, DT>(sD, dplane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, VT>(sG, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
     // x rows s0-1 .. s0+Tc-2 into slots 0..Tc-1 (slot 0 of chunk 0 is x0, read separately)
     const int xs = (c == 0) ? 1 : 0;
     const size_t xrow = row0 - static_cast<size_t>(N) + static_cast<size_t>(xs) * N;
-    stage_array<K, In>(sX + xs * N * R::esize, plane_bytes, a.a2_re, a.a2_im, xrow, (Tc - xs) * N, &s_bar, tx);
+    stage_array<K, VT>(sX + xs * N * RV::esize, plane_bytes, a.a2_re, a.a2_im, xrow, (Tc - xs) * N, &s_bar, tx);
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
@@ -47,13 +53,13 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
     __syncthreads();
   }
   const bool fast = s_fast;
-  auto Dk = [&](int k, int i) { return R::sload(sD, k * N + i, pstride); };
-  auto Gk = [&](int k, int i) { return R::sload(sG, k * N + i, pstride); };
+  auto Dk = [&](int k, int i) { return RD::sload(sD, k * N + i, dstride); };
+  auto Gk = [&](int k, int i) { return RV::sload(sG, k * N + i, pstride); };
   auto Pk = [&](int k, int i) { return static_cast<int>(sP[k * N + i]); };
   const A* x0 = static_cast<const A*>(a.x0);
   A x0m = zero_v<A>();
   if (c == 0 && act && x0) x0m = x0[static_cast<size_t>(q) * N + m];
-  auto Xk = [&](int k, int i) { return (c == 0 && k == 0) ? x0m : R::sload(sX, k * N + i, pstride); };
+  auto Xk = [&](int k, int i) { return (c == 0 && k == 0) ? x0m : RV::sload(sX, k * N + i, pstride); };
 
   const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
   A* agg_d = static_cast<A*>(a.agg_d);
@@ -137,8 +143,8 @@ __global__ void __launch_bounds__(1024) pd_bwd_kernel(ScanArgs a) {
       const A lam = buf[cur * Np + m];
       const A g = buf[cur * Np + Pk(k, m)];
       const size_t o = row0 + static_cast<size_t>(k) * N + m;
-      R::gstore(a.out_re, a.out_im, o, lam);
-      R::gstore(a.out2_re, a.out2_im, o, cmul(conjv(Xk(k, m)), g));
+      RV::gstore(a.out_re, a.out_im, o, lam);
+      RV::gstore(a.out2_re, a.out2_im, o, cmul(conjv(Xk(k, m)), g));
       if (k > 0) buf[(cur ^ 1) * Np + m] = addv(Gk(k - 1, m), cmul(conjv(Dk(k, m)), g));
       else vout = cmul(conjv(Dk(0, m)), g);
     }

@@ -83,8 +83,11 @@ struct Scatter {
 // ---------------------------------------------------------------- forward
 template <int K, typename In, int WPW>
 __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs a) {
-  using R = Arr<K, In>;
-  using A = typename R::A;
+  using DT = typename Planes<In>::D;
+  using VT = typename Planes<In>::V;
+  using RD = Arr<K, DT>;   // D
+  using RV = Arr<K, VT>;   // b, x
+  using A = typename RV::A;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_fast;
   const int N = a.N, T = a.T, C = a.C;
@@ -104,15 +107,19 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   Scatter<A, WPW> sc;
   sc.init(reinterpret_cast<A*>(smem), Np);
   unsigned char* sD = smem + align16(2 * W * Np * (int)sizeof(A));
-  const int plane_bytes = align16(T * N * R::esize);
-  unsigned char* sB = sD + R::planes * plane_bytes;
-  const Idx* sP = reinterpret_cast<const Idx*>(sB + R::planes * plane_bytes);
-  const int pstride = plane_bytes / R::esize;   // elements between planes in shared memory
+  // (one size where D's type is the others': the forms with one type compile as they did before Mixed)
+  const int plane_bytes = align16(T * N * RV::esize);
+  const int dplane_bytes = kOneType<In> ? plane_bytes : align16(T * N * RD::esize);
+  unsigned char* sB = sD + RD::planes * dplane_bytes;
+  const Idx* sP = reinterpret_cast<const Idx*>(sB + RV::planes * plane_bytes);
+  // elements between planes in shared memory
+  const int pstride = plane_bytes / RV::esize;
+  const int dstride = kOneType<In> ? pstride : dplane_bytes / RD::esize;
 
   {
     unsigned tx = 0;
-    stage_array<K, In>(sD, plane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
-    stage_array<K, In>(sB, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, DT>(sD, dplane_bytes, a.a0_re, a.a0_im, row0, Tc * N, &s_bar, tx);
+    stage_array<K, VT>(sB, plane_bytes, a.a1_re, a.a1_im, row0, Tc * N, &s_bar, tx);
     stage_copy(const_cast<Idx*>(sP), a.P + row0, Tc * N * (int)sizeof(Idx), &s_bar, tx);
     stage_finish(&s_bar, tx);
     __syncthreads();
@@ -122,8 +129,8 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
   }
   const bool fast = s_fast;   // entering state known: no aggregate needed, publish the inclusive after the replay
   if (prof && threadIdx.x == 0) prof_staged(prof);
-  auto Dk = [&](int k, int i) { return R::sload(sD, k * N + i, pstride); };
-  auto Bk = [&](int k, int i) { return R::sload(sB, k * N + i, pstride); };
+  auto Dk = [&](int k, int i) { return RD::sload(sD, k * N + i, dstride); };
+  auto Bk = [&](int k, int i) { return RV::sload(sB, k * N + i, pstride); };
   auto Pk = [&](int k, int i) { return static_cast<int>(sP[k * N + i]); };
 
   const size_t cbase = (static_cast<size_t>(q) * C + c) * N;
@@ -217,7 +224,7 @@ __global__ void __launch_bounds__(WPW ? 32 * WPW : 1024) pd_fwd_kernel(ScanArgs 
     const A r = sc.step(dest, val);
     if (act) {
       y = addv(Bk(k, m), r);
-      R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + m, y);
+      RV::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + m, y);
     }
   }
   if (fast) {

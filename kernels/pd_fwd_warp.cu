@@ -230,8 +230,11 @@ __device__ __forceinline__ void apply_sorted(const SortedAgg<A, E>& g, const A (
 // pipeline buffers), 8 at E = 8
 template <int K, typename In, int E>
 __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(ScanArgs a) {
-  using R = Arr<K, In>;
-  using A = typename R::A;
+  using DT = typename Planes<In>::D;
+  using VT = typename Planes<In>::V;
+  using RD = Arr<K, DT>;   // D
+  using RV = Arr<K, VT>;   // b, x
+  using A = typename RV::A;
   using Slot = WarpSlot<A>;
   constexpr int M = 32 * E;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -252,10 +255,10 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   A* s_st = s_d + M;
   const int NUL = slots_at + 4 * M * (int)sizeof(Slot);   // the null slot {0, NUL}: every list ends there
   // the repair's scratch (see REPAIR_EARLIEST)
-  constexpr bool kLogY = sizeof(In) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
+  constexpr bool kLogY = sizeof(VT) == 2;   // bf16 outputs: the repair stores y + c, rounded once (no bf16 adds)
   // real bf16's phase 1 slowed down with log code that it did not run (docs/kernels.md): it
   // runs in two copies of the step loop, with and without the log (see there)
-  constexpr bool kRealBf16 = K == REAL && sizeof(In) == 2;
+  constexpr bool kRealBf16 = K == REAL && sizeof(VT) == 2;
   int* s_img = reinterpret_cast<int*>(smem + align16(NUL + (int)sizeof(Slot)));   // [M] image flags
   A* s_xv = reinterpret_cast<A*>(s_img + M);   // [M] the replayed state at step kc - 1
   A* s_y0 = s_xv + M;                          // [32] zero-state y at the support, step kc - 1
@@ -286,10 +289,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   auto live = [&](int j) { return 32 * j + lane < N; };
   // P checked where it is first used (so that a prefetch stays a pure load): clamped into the state
   using StepIn = WarpStepIn<A, E>;
-  // element j of a step's row (0 past N): planes already offset to the lane's first entry of the row
-  auto gload = [&](const void* re, const void* im, int j) -> A {
+  // element j of a step's row (0 past N) in planes of type T (`type`'s): planes already offset to the lane's first
+  // entry of the row
+  auto gload = [&](auto type, const void* re, const void* im, int j) -> A {
+    using T = decltype(type);
     const bool lv = live(j);
-    if constexpr (sizeof(In) == 2) {
+    if constexpr (sizeof(T) == 2) {
       const auto* r = static_cast<const __nv_bfloat16*>(re) + 32 * j;
       if constexpr (K == SPLIT)
         return make_float2(ldg_bf16_if(r, lv), ldg_bf16_if(static_cast<const __nv_bfloat16*>(im) + 32 * j, lv));
@@ -301,16 +306,19 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
                 : zero_v<A>();
     else return lv ? __ldg(static_cast<const float2*>(re) + 32 * j) : zero_v<A>();
   };
-  auto plane = [&](const void* base, size_t i) -> const void* {
-    return static_cast<const unsigned char*>(base) + i * R::esize;
+  auto dplane = [&](const void* base, size_t i) -> const void* {
+    return static_cast<const unsigned char*>(base) + i * RD::esize;
+  };
+  auto vplane = [&](const void* base, size_t i) -> const void* {
+    return static_cast<const unsigned char*>(base) + i * RV::esize;
   };
   // A step's inputs are loaded while the step before runs, into the registers of the inputs that step has used
   // up (no copies between pipeline buffers); its P a step earlier still, for the lists built one step ahead.
   // this lane's first entry of the chunk's first row; row k is k N elements on (an int: T N < 2^31)
   const Idx* row_p = a.P + row0 + lane;
-  const void *row_d = plane(a.a0_re, row0 + lane), *row_b = plane(a.a1_re, row0 + lane);
-  const void *row_di = K == SPLIT ? plane(a.a0_im, row0 + lane) : nullptr;
-  const void *row_bi = K == SPLIT ? plane(a.a1_im, row0 + lane) : nullptr;
+  const void *row_d = dplane(a.a0_re, row0 + lane), *row_b = vplane(a.a1_re, row0 + lane);
+  const void *row_di = K == SPLIT ? dplane(a.a0_im, row0 + lane) : nullptr;
+  const void *row_bi = K == SPLIT ? vplane(a.a1_im, row0 + lane) : nullptr;
   auto load_p = [&](int k, int (&p)[E]) {
     const Idx* pp = row_p + k * N;
 #pragma unroll
@@ -319,17 +327,18 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   // each input plane's elements [i0, i0 + n) (whole rows) handed to pf(pointer, bytes), which asks L2 for them
   auto prefetch_inputs = [&](size_t i0, int n, auto&& pf) {
     pf(a.P + i0, n * 2);
-    pf(plane(a.a0_re, i0), n * R::esize);
-    pf(plane(a.a1_re, i0), n * R::esize);
+    pf(dplane(a.a0_re, i0), n * RD::esize);
+    pf(vplane(a.a1_re, i0), n * RV::esize);
     if constexpr (K == SPLIT) {
-      pf(plane(a.a0_im, i0), n * R::esize);
-      pf(plane(a.a1_im, i0), n * R::esize);
+      pf(dplane(a.a0_im, i0), n * RD::esize);
+      pf(vplane(a.a1_im, i0), n * RV::esize);
     }
   };
   auto load_db = [&](int k, StepIn& s) {
     // bf16 rows of N <= 128 are prefetched into L2 three steps before their loads (measured 4-17% faster; the
-    // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower)
-    constexpr int l2_ahead = (sizeof(In) == 2 && E <= 4) ? 3 : 0;
+    // fp32 forms, whose rows are twice as large, ran up to 60% slower with it, and bf16 at N = 256 50% slower;
+    // Mixed rows, with float32 D, go as the fp32 forms' do)
+    constexpr int l2_ahead = (sizeof(DT) == 2 && E <= 4) ? 3 : 0;
     // (only in launches without a repair log: chunks that are logged read each row once, and there the prefetch
     // cost 3%)
     if (l2_ahead > 0 && a.rcap == 0 && k + l2_ahead < Tc) {
@@ -337,12 +346,12 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
                       [&](const void* p, int bytes) { l2_prefetch_row(p, bytes, lane); });
     }
     const int i0 = k * N;
-    const void *dre = plane(row_d, i0), *dim = K == SPLIT ? plane(row_di, i0) : nullptr;
-    const void *bre = plane(row_b, i0), *bim = K == SPLIT ? plane(row_bi, i0) : nullptr;
+    const void *dre = dplane(row_d, i0), *dim = K == SPLIT ? dplane(row_di, i0) : nullptr;
+    const void *bre = vplane(row_b, i0), *bim = K == SPLIT ? vplane(row_bi, i0) : nullptr;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      s.d[j] = gload(dre, dim, j);
-      s.b[j] = gload(bre, bim, j);
+      s.d[j] = gload(DT{}, dre, dim, j);
+      s.b[j] = gload(VT{}, bre, bim, j);
     }
   };
   auto slot_off = [&](int bp, int m) { return slots_at + (bp * M + m) * (int)sizeof(Slot); };
@@ -411,7 +420,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   // were measured faster. Compiled into the others they moved the step loop's register allocation: phase 1 up to
   // 22% slower with bf16, real float32 up to 6% slower at L <= 2048 and no faster at L=16384, and the complex
   // step loops at E = 1, 2, 8 grew by 1-12% in SASS, not timed (docs/kernels.md)
-  constexpr bool kLinks = sizeof(In) == 4 && K != REAL && E == 4;
+  constexpr bool kLinks = sizeof(VT) == 4 && K != REAL && E == 4;
   int* lflags = flags + static_cast<size_t>(a.S) * C + static_cast<size_t>(q) * C;   // this sequence's link flags
   constexpr int LW = link_words(sizeof(A));
   auto lrec = [&](int i) { return static_cast<int*>(a.link) + (static_cast<size_t>(q) * C + i) * LW; };
@@ -518,7 +527,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   auto log_step = [&](int k, A dv, const A (&yv)[E]) {
 #pragma unroll
     for (int j = 0; j < E; ++j)
-      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, yv[j]);
+      if (live(j)) RV::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, yv[j]);
     const int cnt = lg & 63, loff = lg >> 16;
     const bool src = lane < cnt;
     const unsigned below = (1u << lane) - 1u;
@@ -631,7 +640,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
         const A cn = cmul(sd[i], s_c[w >> 20]);
         const size_t o = row0 + static_cast<size_t>(w & 511) * N + ((w >> 9) & 2047);
         // bf16: y + c rounded once (adding c to a rounded y would round twice, badly where they cancel)
-        if constexpr (kLogY) R::gstore(a.out_re, a.out_im, o, addv(sy[i], cn));
+        if constexpr (kLogY) RV::gstore(a.out_re, a.out_im, o, addv(sy[i], cn));
         else red_out(o, cn);
       }
     }
@@ -651,24 +660,24 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
       d[j] = live(j) ? one_v<A>() : zero_v<A>();
       pi[j] = live(j) ? lane + 32 * j : pad;
     }
-    // phase 1's row {D_k, P_k} of entry i in parity rp. bf16 inputs keep D's bf16 bits (exact), so a row takes 8
+    // phase 1's row {D_k, P_k} of entry i in parity rp. bf16 D keeps its bf16 bits (exact), so a row takes 8
     // bytes (split) or 4 (real) where a {D, P} slot takes 16 or 8: the rows' stores and gathers cost half the
     // shared-memory wavefronts (split bf16 3-4% faster, real bf16 ~2%; docs/kernels.md)
     auto put_row = [&](int rp, int i, A dv, int p) {
-      if constexpr (sizeof(In) == 2 && K == SPLIT)
+      if constexpr (sizeof(DT) == 2 && K == SPLIT)
         reinterpret_cast<uint2*>(rows)[rp * M + i] =
             make_uint2(__byte_perm(__float_as_uint(dv.x), __float_as_uint(dv.y), 0x7632), p);
-      else if constexpr (sizeof(In) == 2)
+      else if constexpr (sizeof(DT) == 2)
         reinterpret_cast<unsigned*>(rows)[rp * M + i] = (__float_as_uint(dv) & 0xffff0000u) | static_cast<unsigned>(p);
       else put_slot(rows + rp * M + i, dv, p);
     };
     auto get_row = [&](int rp, int i) -> Slot {
       Slot r;
-      if constexpr (sizeof(In) == 2 && K == SPLIT) {
+      if constexpr (sizeof(DT) == 2 && K == SPLIT) {
         const uint2 u = reinterpret_cast<const uint2*>(rows)[rp * M + i];
         r.v = make_float2(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u));
         r.link = static_cast<int>(u.y);
-      } else if constexpr (sizeof(In) == 2) {
+      } else if constexpr (sizeof(DT) == 2) {
         const unsigned u = reinterpret_cast<const unsigned*>(rows)[rp * M + i];
         r.v = __uint_as_float(u & 0xffff0000u);
         r.link = static_cast<int>(u & 0xffffu);
@@ -1016,7 +1025,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     scatter_step(val, cur, x, pn, k, n);
 #pragma unroll
     for (int j = 0; j < E; ++j)
-      if (live(j)) R::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
+      if (live(j)) RV::gstore(a.out_re, a.out_im, row0 + static_cast<size_t>(k) * N + lane + 32 * j, x[j]);
   });
   if (logged) {
     if (prof && lane == 0) prof[8] = clock64();

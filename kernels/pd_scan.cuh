@@ -33,9 +33,11 @@ struct ScanArgs {
 
 }  // namespace pdk
 
-// layout: 0 real, 1 split re/im planes, 2 interleaved complex64; bf16: planes are bfloat16 (layouts 0 and 1).
-int pd_scan_smem_bytes(int layout, int bf16, int N, int T, int bwd, int algo);
+// layout: 0 real, 1 split re/im planes, 2 interleaved complex64; form: 0 float32 planes, 1 bfloat16 planes (layouts
+// 0 and 1), 2 float32 D with bfloat16 b, x, g, grad_b, grad_D (layout 1). Unknown combinations: 0 bytes, 0 warps, an
+// error from the launch.
+int pd_scan_smem_bytes(int layout, int form, int N, int T, int bwd, int algo);
 // Blocks (warps) of the warp forward kernel one SM holds at once; 0 for N beyond that kernel or on error.
-int pd_scan_warp_blocks_per_sm(int layout, int bf16, int N);
+int pd_scan_warp_blocks_per_sm(int layout, int form, int N);
 // Launches the forward (bwd = 0) or backward kernel on `stream` (a cudaStream_t); returns an error or nullptr.
-const char* pd_scan_launch(int layout, int bf16, int bwd, const pdk::ScanArgs& a, void* stream);
+const char* pd_scan_launch(int layout, int form, int bwd, const pdk::ScanArgs& a, void* stream);

@@ -11,7 +11,7 @@
 
 // p: P, D_re, D_im, b/g_re, b/g_im, x_re, x_im, out_re, out_im, out2_re, out2_im, x0, gx0,
 //    counter, agg_pi, agg_d, agg_v, incl, prof, rlog, link, starts   (0 = null);   dims: S, L, N, T, C, algo, rcap
-static void launch(int layout, int bf16, int bwd, const std::vector<uint64_t>& p, const std::vector<int>& dims,
+static void launch(int layout, int form, int bwd, const std::vector<uint64_t>& p, const std::vector<int>& dims,
                    uint64_t stream) {
   if (p.size() != 22 || dims.size() != 7)
     throw std::invalid_argument("pd_scan launch: expected 22 pointers and 7 dims");
@@ -29,7 +29,7 @@ static void launch(int layout, int bf16, int bwd, const std::vector<uint64_t>& p
   a.starts = static_cast<const int*>(ptr(21));
   a.S = dims[0]; a.L = dims[1]; a.N = dims[2]; a.T = dims[3]; a.C = dims[4]; a.algo = dims[5];
   a.rcap = dims[6];
-  const char* err = pd_scan_launch(layout, bf16, bwd, a, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
+  const char* err = pd_scan_launch(layout, form, bwd, a, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
   if (err) throw std::runtime_error(std::string("pd_scan CUDA launch failed: ") + err);
 }
 

@@ -17,8 +17,8 @@
 // Inputs are read from device memory once, outputs written once; scratch is O(sequences * chunks * N).
 // The warp forward (pd_fwd_warp.cu) runs the same three phases with one warp per chunk.
 //
-// Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In), CPLX (interleaved
-// complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
+// Layouts (template parameter K): REAL (one plane of In), SPLIT (re and im planes of In; In = Mixed: see Planes),
+// CPLX (interleaved complex64, In = float). Arithmetic is fp32 (complex as float2). P is int16 (the wrapper converts).
 // No file here includes a torch header: the binding lives in pd_scan_bind.cpp.
 #pragma once
 #include <cuda_runtime.h>
@@ -60,6 +60,15 @@ __device__ __forceinline__ float2 ldcg_v(const float2* p) { return __ldcg(p); }
 
 template <int K> struct AccT { using T = float2; };
 template <> struct AccT<REAL> { using T = float; };
+
+// A form's plane types (the kernels' template parameter In): D, the transition factors, and V, every other plane
+// (b and x forward; g, x, grad_b and grad_D backward). float32 and bfloat16 forms use one type for all; Mixed keeps
+// D in float32 (bfloat16 steps by 2^-8 just below 1, too coarse for a decay) and the rest in bfloat16, halving the
+// state-sized traffic of a half-precision layer.
+struct Mixed {};
+template <typename In> struct Planes { using D = In; using V = In; };
+template <> struct Planes<Mixed> { using D = float; using V = __nv_bfloat16; };
+template <typename In> constexpr bool kOneType = sizeof(typename Planes<In>::D) == sizeof(typename Planes<In>::V);
 
 // One logical array (D, b, x, ...): planes in global memory and its slice in shared memory.
 template <int K, typename In> struct Arr {

@@ -7,8 +7,9 @@
 namespace pdk {
 using Kernel = void (*)(ScanArgs);
 
-// X(K, In) for every (layout, input type) the kernels are built for
-#define PDK_FORMS(X) X(REAL, float) X(REAL, __nv_bfloat16) X(SPLIT, float) X(SPLIT, __nv_bfloat16) X(CPLX, float)
+// X(K, In) for every (layout, plane types) the kernels are built for (Mixed: float32 D, bfloat16 others; Planes)
+#define PDK_FORMS(X) \
+  X(REAL, float) X(REAL, __nv_bfloat16) X(SPLIT, float) X(SPLIT, __nv_bfloat16) X(SPLIT, Mixed) X(CPLX, float)
 
 // pd_fwd_block.cu: the block forward with `bufs` per-warp scatter buffers (1, 2, 4, 8; 0: shared-memory atomics)
 template <int K, typename In> Kernel fwd_block_kernel(int bufs);

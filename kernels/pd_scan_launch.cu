@@ -13,14 +13,15 @@ constexpr int ALGO_WARP = 2;    // one warp per chunk, per-step gather lists, N 
 
 template <int K, typename In>
 int smem_bytes(int N, int T, int Np, bool bwd, int algo) {
-  using R = Arr<K, In>;
-  const int asize = (int)sizeof(typename R::A);
+  using RD = Arr<K, typename Planes<In>::D>;
+  using RV = Arr<K, typename Planes<In>::V>;
+  const int asize = (int)sizeof(typename RV::A);
   if (!bwd && algo == ALGO_WARP) return fwd_warp_smem_bytes(N, asize);
-  const int arrays = bwd ? 3 : 2;
+  const int varrays = bwd ? 2 : 1;   // D, and b (forward) or g and x (backward)
   const int bufs = bwd ? 1 : (fwd_warp_buffers(N, asize) > 0 ? fwd_warp_buffers(N, asize) : 1);
   if (!bwd) Np = fwd_block(N, asize);
-  return align16(2 * bufs * Np * asize) + arrays * R::planes * align16(T * N * R::esize) +
-         align16(T * N * (int)sizeof(Idx));
+  return align16(2 * bufs * Np * asize) + RD::planes * align16(T * N * RD::esize) +
+         varrays * RV::planes * align16(T * N * RV::esize) + align16(T * N * (int)sizeof(Idx));
 }
 
 // Warps of the warp forward kernel an SM holds at once (registers, shared memory), from the CUDA occupancy API
@@ -36,7 +37,7 @@ int warp_blocks_per_sm(int N) {
 template <int K, typename In>
 const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
   static thread_local char msg[512];
-  constexpr int asize = (int)sizeof(typename Arr<K, In>::A);
+  constexpr int asize = (int)sizeof(typename AccT<K>::T);
   if (!bwd && a.algo != ALGO_BLOCK && !(a.algo == ALGO_WARP && a.N <= WARP_MAX_N)) {   // a code the policy never sends
     snprintf(msg, sizeof(msg), "forward kernel code %d at N=%d: 1 (block) or 2 (warp, N <= %d)", a.algo, a.N,
              WARP_MAX_N);
@@ -90,30 +91,36 @@ const char* launch(const ScanArgs& a, bool bwd, cudaStream_t stream) {
 
 }  // namespace pdk
 
-// layout: 0 real, 1 split, 2 interleaved complex64; bf16: In = bfloat16 (layouts 0, 1)
-int pd_scan_warp_blocks_per_sm(int layout, int bf16, int N) {
-  using namespace pdk;
-  if (N > WARP_MAX_N) return 0;
-  if (layout == REAL) return bf16 ? warp_blocks_per_sm<REAL, __nv_bfloat16>(N) : warp_blocks_per_sm<REAL, float>(N);
-  if (layout == SPLIT) return bf16 ? warp_blocks_per_sm<SPLIT, __nv_bfloat16>(N) : warp_blocks_per_sm<SPLIT, float>(N);
-  return warp_blocks_per_sm<CPLX, float>(N);
+// layout: 0 real, 1 split, 2 interleaved complex64; form: 0 float32, 1 bfloat16 (layouts 0, 1), 2 Mixed (split)
+#define PDK_DISPATCH(layout, form, F, ...)                                                                   \
+  ((layout) == REAL && (form) == 0    ? F<REAL, float>(__VA_ARGS__)                                          \
+   : (layout) == REAL && (form) == 1  ? F<REAL, __nv_bfloat16>(__VA_ARGS__)                                  \
+   : (layout) == SPLIT && (form) == 0 ? F<SPLIT, float>(__VA_ARGS__)                                         \
+   : (layout) == SPLIT && (form) == 1 ? F<SPLIT, __nv_bfloat16>(__VA_ARGS__)                                 \
+   : (layout) == SPLIT && (form) == 2 ? F<SPLIT, Mixed>(__VA_ARGS__)                                         \
+                                      : F<CPLX, float>(__VA_ARGS__))
+
+static bool known_form(int layout, int form) {
+  return (layout == pdk::REAL && (form == 0 || form == 1)) || (layout == pdk::SPLIT && form >= 0 && form <= 2) ||
+         (layout == pdk::CPLX && form == 0);
 }
 
-int pd_scan_smem_bytes(int layout, int bf16, int N, int T, int bwd, int algo) {
+int pd_scan_warp_blocks_per_sm(int layout, int form, int N) {
   using namespace pdk;
+  if (N > WARP_MAX_N || !known_form(layout, form)) return 0;
+  return PDK_DISPATCH(layout, form, warp_blocks_per_sm, N);
+}
+
+int pd_scan_smem_bytes(int layout, int form, int N, int T, int bwd, int algo) {
+  using namespace pdk;
+  if (!known_form(layout, form)) return 0;
   const int Np = (N + 31) / 32 * 32;
-  if (layout == REAL)
-    return bf16 ? smem_bytes<REAL, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<REAL, float>(N, T, Np, bwd, algo);
-  if (layout == SPLIT)
-    return bf16 ? smem_bytes<SPLIT, __nv_bfloat16>(N, T, Np, bwd, algo) : smem_bytes<SPLIT, float>(N, T, Np, bwd, algo);
-  return smem_bytes<CPLX, float>(N, T, Np, bwd, algo);
+  return PDK_DISPATCH(layout, form, smem_bytes, N, T, Np, bwd, algo);
 }
 
-const char* pd_scan_launch(int layout, int bf16, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {
+const char* pd_scan_launch(int layout, int form, int bwd, const pdk::ScanArgs& a, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   using namespace pdk;
-  if (layout == REAL) return bf16 ? launch<REAL, __nv_bfloat16>(a, bwd, stream) : launch<REAL, float>(a, bwd, stream);
-  if (layout == SPLIT) return bf16 ? launch<SPLIT, __nv_bfloat16>(a, bwd, stream) : launch<SPLIT, float>(a, bwd, stream);
-  if (layout == CPLX && !bf16) return launch<CPLX, float>(a, bwd, stream);
-  return "pd_scan: unsupported layout/dtype combination";
+  if (!known_form(layout, form)) return "pd_scan: unsupported layout/dtype combination";
+  return PDK_DISPATCH(layout, form, launch, a, bwd, stream);
 }

@@ -87,10 +87,20 @@ def test_fused_path_matches_torch_path_cuda(one_kernel):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_path_bf16_cuda(one_kernel):
-    """bf16 layer (as benchmarked): the two paths round at different places (the fused readout is float32),
-    so they agree to bf16 precision, not bit for bit."""
+def test_fused_path_bf16_cuda(one_kernel, monkeypatch):
+    """bf16 layer (as benchmarked): the two paths round at different places (the fused readout is float32, the
+    separate kernels' b, x and gradient planes bfloat16 with D float32), so they agree to bf16 precision, not bit for
+    bit."""
+    from llm_surgery.ops.pd_scan import cuda
+    seen = set()
+    scan = cuda.pd_scan_fwd_cuda_split
+
+    def spy(P, D_re, D_im, b_re, b_im, *args, **kwargs):
+        seen.add((D_re.dtype, b_re.dtype))
+        return scan(P, D_re, D_im, b_re, b_im, *args, **kwargs)
+    monkeypatch.setattr(cuda, "pd_scan_fwd_cuda_split", spy)
     _assert_close(_compare("cuda", torch.bfloat16, width=128, L=200), 5e-2)
+    assert seen == (set() if one_kernel else {(torch.float32, torch.bfloat16)})
 
 
 # (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
@@ -116,15 +126,19 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
         from llm_surgery.ops.pd_scan import cuda, pd_scan, pd_scan_backward
         from llm_surgery.layers import flash_pdssm_fused
 
-        def fwd(P, D_re, D_im, b_re, b_im, x0=None, out=None):
-            x = pd_scan(P, torch.complex(D_re, D_im), torch.complex(b_re, b_im), x0)
+        c = lambda re, im: torch.complex(re.float(), im.float())   # bf16 planes computed in float32, as the kernels do
+
+        def fwd(P, D_re, D_im, b_re, b_im, x0=None, out=None, last=None):
+            x = pd_scan(P, c(D_re, D_im), c(b_re, b_im), x0)
             out[0].copy_(x.real)
             out[1].copy_(x.imag)
+            if last is not None:
+                last[0].copy_(x.real[..., -1, :])
+                last[1].copy_(x.imag[..., -1, :])
             return out
 
         def bwd(P, D_re, D_im, x0, x_re, x_im, g_re, g_im, out=None):
-            gD, gb, gx0 = pd_scan_backward(P, torch.complex(D_re, D_im), x0, torch.complex(x_re, x_im),
-                                           torch.complex(g_re, g_im))
+            gD, gb, gx0 = pd_scan_backward(P, c(D_re, D_im), x0, c(x_re, x_im), c(g_re, g_im))
             planes = [v.contiguous() for v in (gD.real, gD.imag, gb.real, gb.imag)]
             if out is not None:
                 for o, v in zip(out, planes):

@@ -247,7 +247,7 @@ def test_warp_ramped_chunks_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("pmode", ["random", "collide", "perm", "ring32", "chain"])
-@pytest.mark.parametrize("form", ["bf16", "split_bf16"])
+@pytest.mark.parametrize("form", ["bf16", "split_bf16", "split_mixed"])
 def test_warp_repair_bf16_rounds_once(pmode, form):
     """bf16 outputs of repaired chunks (>= 24 steps in one wave, as here; >= 128 over many) are y + c in fp32
     rounded once: every element within one bf16 rounding (2^-8 relative) of the float64 loop, plus fp32 noise,
@@ -255,11 +255,13 @@ def test_warp_repair_bf16_rounds_once(pmode, form):
     entries: its log fills up and the chunk falls back to the full replay. chain merges its 32 support entries one
     a step (a merge tree 31 deep)."""
     K = _cuda()
-    cplx = form == "split_bf16"
+    cplx = form != "bf16"
     P, D, b, x0, _ = _inputs(2, 1500, 128, cplx, pmode=pmode, seed=13)
     bf = lambda t: t.to(torch.bfloat16).contiguous()
     if cplx:
         Dr, Di, br, bi = (bf(t) for t in (D.real, D.imag, b.real, b.imag))
+        if form == "split_mixed":   # float32 D, bfloat16 b and x
+            Dr, Di = D.real.float().contiguous(), D.imag.float().contiguous()
         x0k = x0.to(torch.complex64)
         x_ref = _naive(P, torch.complex(Dr.double(), Di.double()), torch.complex(br.double(), bi.double()),
                        x0k.to(torch.complex128))
@@ -294,6 +296,48 @@ def test_split_bf16_and_collisions(pmode, algo):
     gDr, gDi, gbr, gbi, gx0 = K.pd_scan_bwd_cuda_split(P, Dr, Di, x0.to(torch.complex64), xr, xi, gr, gi)
     # the reference backward uses the exact x, the kernel the bf16-rounded one: both within bf16 rounding
     assert _rel(c(gDr, gDi), gD_ref) < 2e-2 and _rel(c(gbr, gbi), gb_ref) < 1e-2 and _rel(gx0, gx0_ref) < 1e-2
+
+
+@pytest.mark.parametrize("N,L", [(32, 2048), (64, 700), (128, 333), (20, 1)])
+@pytest.mark.parametrize("algo", ["warp", "block", "auto"])
+def test_split_mixed_matches_reference(N, L, algo):
+    """The mixed form (float32 D; bfloat16 b, x, g, grad_b, grad_D), the half-precision layer's: x within bf16
+    rounding of the float64 loop on the inputs as the kernel sees them, the final state (`last=`) in float32 to
+    float32 precision, the backward within bf16 rounding, and the same launch in the all-float32 form as a check
+    that only the rounding of the planes differs."""
+    K = _cuda()
+    P, D, b, x0, gx = _inputs(3, L, N, True, seed=N + L)
+    bf = lambda t: t.to(torch.bfloat16).contiguous()
+    Dr, Di = D.real.float().contiguous(), D.imag.float().contiguous()
+    br, bi, gr, gi = (bf(t) for t in (b.real, b.imag, gx.real, gx.imag))
+    c = lambda r, i: torch.complex(r.double(), i.double())
+    x_ref, gD_ref, gb_ref, gx0_ref = _ref_grads(P, c(Dr, Di), c(br, bi), x0, c(gr, gi))
+    x0k = x0.to(torch.complex64)
+    last = (torch.empty(3, N, device="cuda"), torch.empty(3, N, device="cuda"))
+    xr, xi = K.pd_scan_fwd_cuda_split(P.to(torch.int16), Dr, Di, br, bi, x0k, algo=algo, last=last)
+    assert xr.dtype == xi.dtype == torch.bfloat16
+    assert _rel(c(xr, xi), x_ref) < 1e-2
+    assert _rel(c(*last), x_ref[:, -1]) < 1e-5   # not rounded to bf16
+    gDr, gDi, gbr, gbi, gx0 = K.pd_scan_bwd_cuda_split(P, Dr, Di, x0k, xr, xi, gr, gi)
+    assert gDr.dtype == gbr.dtype == torch.bfloat16 and gx0.dtype == torch.complex64
+    assert _rel(c(gDr, gDi), gD_ref) < 2e-2 and _rel(c(gbr, gbi), gb_ref) < 1e-2 and _rel(gx0, gx0_ref) < 1e-2
+    # the float32 form on the same launch: exact to float32, its `last` too (the last chunk's inclusive state, summed
+    # in another order than its replay's last step: equal to float32 rounding, not bit for bit)
+    f32 = lambda t: t.float().contiguous()
+    last32 = (torch.empty(3, N, device="cuda"), torch.empty(3, N, device="cuda"))
+    xr32, xi32 = K.pd_scan_fwd_cuda_split(P, Dr, Di, f32(br), f32(bi), x0k, algo=algo, last=last32)
+    assert _rel(c(xr32, xi32), x_ref) < 1e-5 and _rel(c(*last32), x_ref[:, -1]) < 1e-5
+
+
+def test_split_forms_refuse_other_dtype_pairs():
+    K = _cuda()
+    P, D, b, x0, _ = _inputs(1, 8, 16, True)
+    Dr, Di = D.real.to(torch.bfloat16).contiguous(), D.imag.to(torch.bfloat16).contiguous()
+    br, bi = b.real.float().contiguous(), b.imag.float().contiguous()
+    with pytest.raises(TypeError, match="D float32 with the others bfloat16"):
+        K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi)     # bf16 D with float32 b: no such form
+    with pytest.raises(TypeError, match="real plane's dtype"):
+        K.pd_scan_fwd_cuda_split(P, Dr, Di.float(), br, bi)
 
 
 def test_real_bf16_without_x0_and_leading_dims():

@@ -139,16 +139,31 @@ class _FusedMiddle(torch.autograd.Function):
     # Both passes walk the batch in slices whose temporaries (the projection and its gradient, b and D planes,
     # P_t, k*, dL/dx = dL/db, dL/dD, r) stay near this many bytes: the backward runs while the whole graph's
     # activations are alive, so they add straight onto the layer's peak memory, while each slice costs some
-    # fixed launch work (bench/layer_compare.py --pdssm-slice-mib measures the trade-off).
-    SLICE_BYTES = 1 << 31
+    # fixed launch work (bench/layer_compare.py --pdssm-slice-mib measures the trade-off). 3 GiB: at width 1024,
+    # B=32 on an H100 (bf16 planes), 2 slices instead of 3 at L=2048 took 12.2-12.5 ms instead of 13.3-14.0, one
+    # slice 11.9-12.1 but a peak of 2.9 GiB (fla DeltaNet's 4.6; BENCHMARKS.md)
+    SLICE_BYTES = 3 << 30
     # the separate kernels' backward reads the projection again: kept from the forward (in u's dtype, 2W bytes a
     # token and head, less than the float32 states kept beside it) instead of a second x_proj product. At width
     # 1024, B=32 on an H100: 4% off forward + backward at L = 4096 and 8192, for 10-20% more peak (BENCHMARKS.md)
     KEEP_PROJECTION = True
 
+    # the dtype of the state-sized planes (b, x, dL/dx, dL/dD) of the separate kernels' path: bfloat16 for
+    # half-precision layers (D stays float32: pd_scan's mixed form), float32 for float32 layers, whose reference is
+    # exact. At width 1024, B=32 on an H100: 8-10% off forward + backward at L = 2048-8192 and 17-22% off the peak
+    # (BENCHMARKS.md); the README's main job on the GPU learns as with float32 planes
+    HALF_PLANES = True
+
     @staticmethod
-    def _slices(B, L, H, N, K, P, W):
-        return _batch_slices(B, L * H * (36 * N + 4 * K + 12 * P + 4 * W + 8), _FusedMiddle.SLICE_BYTES)
+    def plane_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if _FusedMiddle.HALF_PLANES and dtype != torch.float32 else torch.float32
+
+    @staticmethod
+    def _slices(B, L, H, N, K, P, W, plane_bytes):
+        # bytes a token and head: D and P_t (10N, 12 with room), three pairs of state-sized planes of `plane_bytes`
+        # (b or dL/dx = dL/db, dL/dD, the gate's b), r, the projection's gradient and u's
+        per_sequence = L * H * ((12 + 6 * plane_bytes) * N + 4 * K + 12 * P + 4 * W + 8)
+        return _batch_slices(B, per_sequence, _FusedMiddle.SLICE_BYTES)
 
     # the one-kernel path's programs each walk a whole sequence, so a launch needs this many (sequence, head) pairs
     # per multiprocessor to keep the GPU busy: slices of ~11 sequences x 32 heads (2.6 a multiprocessor on an H100)
@@ -186,7 +201,9 @@ class _FusedMiddle(torch.autograd.Function):
         # transition, injection, scan and readout kernels. States are kept only for a backward.
         one_kernel = one_kernel_pays(B, H, N, L, u.device)
         keep_states = grad or not one_kernel   # (ctx.needs_input_grad is set under no_grad too)
-        x_re = torch.empty(B, H, L, N, dtype=torch.float32, device=u.device) if keep_states else None
+        # the one-kernel path keeps its states in float32 (its backward rebuilds the steps from them)
+        planes = torch.float32 if one_kernel else _FusedMiddle.plane_dtype(u.dtype)
+        x_re = torch.empty(B, H, L, N, dtype=planes, device=u.device) if keep_states else None
         x_im = torch.empty_like(x_re) if keep_states else None
         last_re = torch.empty(B, H, N, dtype=torch.float32, device=u.device)
         last_im = torch.empty_like(last_re)
@@ -195,7 +212,7 @@ class _FusedMiddle(torch.autograd.Function):
         keep_proj = grad and not one_kernel and _FusedMiddle.KEEP_PROJECTION
         proj_kept = torch.empty(B, L, H * W, dtype=u.dtype, device=u.device) if keep_proj else None
         slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
-                  else _FusedMiddle._slices(B, L, H, N, K, P, W))
+                  else _FusedMiddle._slices(B, L, H, N, K, P, W, planes.itemsize))
         for sl in slices:
             b = u[sl].shape[0]
             if keep_proj:
@@ -211,19 +228,19 @@ class _FusedMiddle(torch.autograd.Function):
                 continue
             D_re, D_im, _, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
             if b_gate == "off":
-                b_re, b_im = torch.zeros_like(D_re), torch.zeros_like(D_im)
+                b_re, b_im = torch.zeros_like(D_re, dtype=planes), torch.zeros_like(D_im, dtype=planes)
             else:
-                b_re, b_im = injection_fwd(u[sl], Bf, precision)
+                b_re, b_im = injection_fwd(u[sl], Bf, precision, planes)
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
                     b_re.mul_(gate)
                     b_im.mul_(gate)
             del proj
             xr, xi = x_re[sl], x_im[sl]
-            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi))
+            # the last state in float32 from the scan, whatever the planes' dtype
+            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi), last=(last_re[sl], last_im[sl]))
             del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
-            last_re[sl], last_im[sl] = xr[:, :, -1], xi[:, :, -1]
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj_kept)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         ctx.one_kernel = one_kernel
@@ -299,7 +316,7 @@ class _FusedMiddle(torch.autograd.Function):
         Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
         g = _Grads(u, Wx, M, C, b_gate)
-        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W):
+        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W, x_re.element_size()):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
@@ -312,7 +329,7 @@ class _FusedMiddle(torch.autograd.Function):
             # scan backward; dL/db overwrites dL/dx (the kernel stages each chunk of dL/dx before writing it)
             proj = (F.linear(u[sl], Wu) if proj_kept is None else proj_kept[sl]).view(b, L, H, W)
             D_re, D_im, kstar, P_t = transition_fwd_triton(proj, decay_bias, P_dict, K, N, m, unit_snap, phase_levels)
-            gD_re, gD_im = torch.empty_like(D_re), torch.empty_like(D_im)
+            gD_re, gD_im = torch.empty_like(xr), torch.empty_like(xi)    # the planes' dtype (plane_dtype)
             *_, g.x0[sl] = pd_scan_bwd_cuda_split(P_t, D_re, D_im, x0[sl], xr, xi, g_re, g_im,
                                                    out=(gD_re, gD_im, g_re, g_im))
             gb_re, gb_im = g_re, g_im

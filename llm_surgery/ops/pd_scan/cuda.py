@@ -12,8 +12,11 @@ Calling forms (all tensors on one CUDA device, shapes `[..., L, N]`, leading dim
   gx0 is None when x0 is None.
 - `pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None) -> (x_re, x_im)` and
   `pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im) -> (gD_re, gD_im, gb_re, gb_im, gx0)`:
-  complex D, b given as separate real/imaginary planes (float32 or bfloat16), as the layer produces them, so no
-  complex tensor is ever materialised; x0 is complex64 (or None).
+  complex D, b given as separate real/imaginary planes, as the layer produces them, so no complex tensor is ever
+  materialised; x0 is complex64 (or None). Planes all float32, all bfloat16, or D float32 with every other plane
+  bfloat16 (the mixed form: a decay near 1 keeps float32's resolution, the state-sized planes move half the bytes);
+  x, gD and gb take b's / x's dtype. `last=(re, im)` [S, N] float32 receives the state after the last step in
+  float32, whatever x's dtype.
 
 All arithmetic is float32 (complex as pairs of float32); P is read as int16 (other integer dtypes are converted).
 float64/complex128 are not kernel dtypes (TypeError; check `supports(dtype)` before dispatching). `chunk=` sets
@@ -40,7 +43,7 @@ import torch
 
 from . import check_index_range
 from . import launch_policy as policy
-from .launch_policy import CPLX as _CPLX, REAL as _REAL, SPLIT as _SPLIT
+from .launch_policy import BF16, CPLX as _CPLX, FLOAT32, MIXED, REAL as _REAL, SPLIT as _SPLIT
 
 __all__ = ["available", "supports", "load_error", "pd_scan_fwd_cuda", "pd_scan_bwd_cuda",
            "pd_scan_fwd_cuda_split", "pd_scan_bwd_cuda_split", "SUPPORTED_DTYPES"]
@@ -120,7 +123,9 @@ def load_error() -> str | None:
 
 
 # ---------------------------------------------------------------- argument handling
-def _check_common(P, planes, x0, names):
+def _check_common(P, planes, x0, names, typed=None):
+    """(S, L, N) after checking shapes and devices; the planes must share a dtype (only the first `typed` of them
+    where given: the split forms check their dtypes themselves)."""
     for name, t in zip(("P",) + names, (P,) + planes):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"pd_scan CUDA: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -136,7 +141,7 @@ def _check_common(P, planes, x0, names):
         if t.device != P.device:
             raise ValueError(f"pd_scan CUDA: {name} is on {t.device}, P on {P.device}")
     dt = planes[0].dtype
-    for name, t in zip(names, planes):
+    for name, t in list(zip(names, planes))[:typed]:
         if t.dtype != dt:
             raise TypeError(f"pd_scan CUDA: {names[0]} and {name} must share a dtype, got {dt} and {t.dtype}")
     L, N = P.shape[-2:]
@@ -167,17 +172,18 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
+def _run(layout, form, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
+    """Launch one pass; returns the inclusive states [S, C, N, comps] float32 (the last chunk's is the final state)."""
     ext = _module()
     code = policy.algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
     sms, limit = props.multi_processor_count, policy.smem_limit(props)
-    T = int(chunk) if chunk else policy.default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, limit)
+    T = int(chunk) if chunk else policy.default_chunk(ext, layout, form, bwd, S, L, N, sms, code, limit)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
     warp_fwd = not bwd and code == policy.ALGOS["warp"]   # only the warp forward has look-back links and a chunk table
     if not warp_fwd:   # the staged kernels hold a chunk's rows in shared memory (the warp forward's use is fixed)
-        smem = ext.smem_bytes(layout, bf16, N, T, bwd, code)
+        smem = ext.smem_bytes(layout, form, N, T, bwd, code)
         if smem > limit:
             raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, "
                              f"more than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
@@ -185,7 +191,7 @@ def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto")
     comps = 1 if layout == _REAL else 2
     starts, one_wave = None, False
     if warp_fwd:
-        one_wave = S * C <= policy.warp_slots(ext, layout, bool(bf16), N, sms)
+        one_wave = S * C <= policy.warp_slots(ext, layout, form, N, sms)
         ramp = policy.chunk_ramp(chunk, C, T, one_wave)
         starts, T = policy.chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, flags, and (warp forward) link flags
@@ -196,23 +202,24 @@ def _run(layout, bf16, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto")
     if _state.get("profile") and not bwd:   # benchmarking aid: per-block clock64 probes of the forward
         prof = torch.zeros(S * C, policy.PROBES, dtype=torch.int64, device=device)
         _state["last_profile"] = (prof, S, C, T)
-    rcap = policy.repair_capacity(code, bwd, bf16, T, N, one_wave)
-    words = comps * (2 if bf16 else 1) + 1   # per log entry: factor, link word, (bf16) y
+    rcap = policy.repair_capacity(code, bwd, form, T, N, one_wave)
+    words = comps * (2 if form != FLOAT32 else 1) + 1   # per log entry: factor, link word, (bfloat16 outputs) y
     rlog = torch.empty(S * C * rcap * words, dtype=torch.int32, device=device) if rcap else None
     link = torch.empty(S * C * policy.link_words(comps), dtype=torch.int32, device=device) if warp_fwd else None
     p = list(ptrs) + [_ptr(x0c), _ptr(gx0), counter.data_ptr(), agg_pi.data_ptr(), agg[0].data_ptr(),
                       agg[1].data_ptr(), agg[2].data_ptr(), _ptr(prof), _ptr(rlog),
                       _ptr(link), _ptr(starts)]
     with torch.cuda.device(device):
-        ext.launch(layout, int(bf16), int(bwd), p, [S, L, N, T, C, code, rcap],
+        ext.launch(layout, int(form), int(bwd), p, [S, L, N, T, C, code, rcap],
                    torch.cuda.current_stream(device).cuda_stream)
+    return agg[2].view(S, C, N, comps)
 
 
 def _layout_of(dtype):
     if dtype == torch.complex64:
-        return _CPLX, False
+        return _CPLX, FLOAT32
     if dtype in (torch.float32, torch.bfloat16):
-        return _REAL, dtype == torch.bfloat16
+        return _REAL, BF16 if dtype == torch.bfloat16 else FLOAT32
     raise TypeError(f"pd_scan CUDA: D and b must be float32, bfloat16, float16 or complex64, got {dtype}")
 
 
@@ -235,7 +242,7 @@ def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None, 
         x = pd_scan_fwd_cuda(P, D.float(), b.float(), None if x0 is None else x0.float(), chunk=chunk,
                              validate=validate, algo=algo)
         return x.half()
-    layout, bf16 = _layout_of(b.dtype)
+    layout, form = _layout_of(b.dtype)
     Pc = _idx(P, N, validate)
     Dc, bc = D.contiguous(), b.contiguous()
     x = torch.empty_like(bc) if out is None else out
@@ -243,7 +250,7 @@ def pd_scan_fwd_cuda(P, D, b, x0=None, *, chunk=None, validate=False, out=None, 
         return x
     x0c = _x0_fp32(x0, S, N, layout == _CPLX)
     ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(bc) + [0, 0] + _planes(x) + [0, 0]
-    _run(layout, bf16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
+    _run(layout, form, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
     return x
 
 
@@ -254,7 +261,7 @@ def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=Non
         gD, gb, gx0 = pd_scan_bwd_cuda(P, D.float(), None if x0 is None else x0.float(), x.float(),
                                        grad_x.float(), chunk=chunk, validate=validate)
         return gD.half(), gb.half(), None if gx0 is None else gx0.to(x0.dtype)
-    layout, bf16 = _layout_of(D.dtype)
+    layout, form = _layout_of(D.dtype)
     Pc = _idx(P, N, validate)
     Dc, xc, gc = D.contiguous(), x.contiguous(), grad_x.contiguous()
     if out is None:
@@ -266,38 +273,64 @@ def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=Non
     if L == 0 or S == 0:
         return gD, gb, None if x0 is None else torch.zeros_like(x0)
     ptrs = [Pc.data_ptr()] + _planes(Dc) + _planes(gc) + _planes(xc) + _planes(gb) + _planes(gD)
-    _run(layout, bf16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
+    _run(layout, form, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
     return gD, gb, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)
 
 
+def _split_form(D_dtype, v_dtype, v_name):
+    """The kernels' form for split planes: D's dtype and that of the other planes (`v_name`'s)."""
+    if D_dtype == v_dtype and D_dtype in (torch.float32, torch.bfloat16):
+        return BF16 if D_dtype == torch.bfloat16 else FLOAT32
+    if D_dtype == torch.float32 and v_dtype == torch.bfloat16:
+        return MIXED
+    raise TypeError(f"pd_scan CUDA split form: planes must be all float32, all bfloat16, or D float32 with the "
+                    f"others bfloat16; got D {D_dtype} and {v_name} {v_dtype}")
+
+
 def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, validate=False, out=None,
-                           algo="auto"):
-    """Complex pd_scan with D, b as real/imaginary planes (float32 or bfloat16); returns (x_re, x_im)."""
-    S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"))
-    if D_re.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"pd_scan CUDA split form: planes must be float32 or bfloat16, got {D_re.dtype}")
+                           algo="auto", last=None):
+    """Complex pd_scan with D, b as real/imaginary planes (float32, bfloat16, or D float32 with b bfloat16); returns
+    (x_re, x_im) in b's dtype. `last`: (re, im) float32 [S, N] tensors that receive the final state."""
+    S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"), typed=0)
+    for name, t, ref in (("D_im", D_im, D_re), ("b_im", b_im, b_re)):
+        if t.dtype != ref.dtype:
+            raise TypeError(f"pd_scan CUDA split form: {name} must have its real plane's dtype {ref.dtype}, "
+                            f"got {t.dtype}")
+    form = _split_form(D_re.dtype, b_re.dtype, "b_re")
     Pc = _idx(P, N, validate)
     Dr, Di, br, bi = (t.contiguous() for t in (D_re, D_im, b_re, b_im))
     xr, xi = (torch.empty_like(br), torch.empty_like(bi)) if out is None else out
     if L == 0 or S == 0:
+        if last is not None:
+            x0f = torch.zeros(S, N, dtype=torch.complex64, device=P.device) if x0 is None else _x0_fp32(x0, S, N, True)
+            last[0].copy_(x0f.real.view(last[0].shape))
+            last[1].copy_(x0f.imag.view(last[1].shape))
         return xr, xi
     x0c = _x0_fp32(x0, S, N, True)
     ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), br.data_ptr(), bi.data_ptr(), 0, 0,
             xr.data_ptr(), xi.data_ptr(), 0, 0]
-    _run(_SPLIT, D_re.dtype == torch.bfloat16, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
+    incl = _run(_SPLIT, form, False, S, L, N, ptrs, x0c, None, P.device, chunk, algo)
+    if last is not None:
+        last[0].copy_(incl[:, -1, :, 0].view(last[0].shape))
+        last[1].copy_(incl[:, -1, :, 1].view(last[1].shape))
     return xr, xi
 
 
 def pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im, *, chunk=None, validate=False, out=None):
-    """Backward of the split form: (gD_re, gD_im, gb_re, gb_im, gx0); gx0 complex64 (None without x0)."""
+    """Backward of the split form: (gD_re, gD_im, gb_re, gb_im, gx0); gD, gb in x's dtype (the forward's form: D
+    float32 with x, g bfloat16 is the mixed one); gx0 complex64 (None without x0)."""
     names = ("D_re", "D_im", "x_re", "x_im", "g_re", "g_im")
-    S, L, N = _check_common(P, (D_re, D_im, x_re, x_im, g_re, g_im), x0, names)
-    if D_re.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"pd_scan CUDA split form: planes must be float32 or bfloat16, got {D_re.dtype}")
+    S, L, N = _check_common(P, (D_re, D_im, x_re, x_im, g_re, g_im), x0, names, typed=0)
+    for name, t in zip(names[1:], (D_im, x_re, x_im, g_re, g_im)):
+        ref = D_re if name == "D_im" else x_re
+        if t.dtype != ref.dtype:
+            raise TypeError(f"pd_scan CUDA split form: {name} must have the dtype {ref.dtype} of "
+                            f"{'D_re' if name == 'D_im' else 'x_re'}, got {t.dtype}")
+    form = _split_form(D_re.dtype, x_re.dtype, "x_re")
     Pc = _idx(P, N, validate)
     Dr, Di, xr, xi, gr, gi = (t.contiguous() for t in (D_re, D_im, x_re, x_im, g_re, g_im))
     if out is None:
-        gDr, gDi, gbr, gbi = (torch.empty_like(t) for t in (Dr, Di, xr, xi))
+        gDr, gDi, gbr, gbi = (torch.empty_like(t) for t in (xr, xi, xr, xi))
     else:
         gDr, gDi, gbr, gbi = out
     x0c = _x0_fp32(x0, S, N, True)
@@ -306,5 +339,5 @@ def pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im, *, chunk=N
         return gDr, gDi, gbr, gbi, None if x0 is None else torch.zeros_like(x0)
     ptrs = [Pc.data_ptr(), Dr.data_ptr(), Di.data_ptr(), gr.data_ptr(), gi.data_ptr(), xr.data_ptr(),
             xi.data_ptr(), gbr.data_ptr(), gbi.data_ptr(), gDr.data_ptr(), gDi.data_ptr()]
-    _run(_SPLIT, D_re.dtype == torch.bfloat16, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
+    _run(_SPLIT, form, True, S, L, N, ptrs, x0c, gx0, P.device, chunk)
     return gDr, gDi, gbr, gbi, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)

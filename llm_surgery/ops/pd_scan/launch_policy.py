@@ -13,12 +13,16 @@ import functools
 
 import torch
 
-__all__ = ["REAL", "SPLIT", "CPLX", "ALGOS", "WARP_MAX_N", "algo_code", "warp_slots", "SM90_SMEM", "smem_limit",
+__all__ = ["REAL", "SPLIT", "CPLX", "FLOAT32", "BF16", "MIXED", "ALGOS", "WARP_MAX_N", "algo_code", "warp_slots", "SM90_SMEM", "smem_limit",
            "default_chunk", "REPAIR_MIN_T", "REPAIR_MAX_T", "REPAIR_MIN_T_BF16", "repair_capacity", "PROBES",
            "link_words", "RAMP", "chunk_ramp", "chunk_starts_on", "chunk_starts", "CHUNK_TABLES"]
 
 # The kernels' constants mirrored here (tests/test_pd_scan.py reads each from its kernel file and compares)
 REAL, SPLIT, CPLX = 0, 1, 2         # data layouts: kernels/pd_scan_common.cuh, enum Layout
+# plane types ("forms", kernels/pd_scan.cuh): all float32, all bfloat16, or float32 D with bfloat16 b, x and gradients
+# (split layout only). The rules below that name bf16 were measured on the all-bfloat16 forms; Mixed reads D rows of
+# float32's size and takes float32's rules, but logs y as bfloat16 outputs do. (A bool passes as FLOAT32 / BF16.)
+FLOAT32, BF16, MIXED = 0, 1, 2
 ALGOS = {"block": 1, "warp": 2}     # forward kernels: kernels/pd_scan_launch.cu, ALGO_BLOCK and ALGO_WARP
 WARP_MAX_N = 256                    # kernels/pd_scan_launch.cu, WARP_MAX_N (E = N / 32 <= 8 entries a lane)
 REPAIR_MIN_T, REPAIR_MAX_T = 24, 512   # kernels/pd_fwd_warp.cu: the chunk lengths the repair log serves
@@ -39,11 +43,11 @@ def algo_code(algo: str, N: int, bwd: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def warp_slots(ext, layout: int, bf16: bool, N: int, sms: int) -> int:
+def warp_slots(ext, layout: int, form: int, N: int, sms: int) -> int:
     """Warps of the warp forward the GPU holds at once: `sms` times what one SM holds (`ext.warp_blocks_per_sm`, the
     CUDA occupancy API), asked once per kernel variant rather than on every call. The chunk length and the
     one-wave decisions (ramp, repair log) count against it."""
-    return sms * ext.warp_blocks_per_sm(layout, int(bf16), N)
+    return sms * ext.warp_blocks_per_sm(layout, int(form), N)
 
 
 SM90_SMEM = 227 * 1024   # shared memory a block may have on sm_90 (H100, H200)
@@ -55,7 +59,7 @@ def smem_limit(props) -> int:
     return getattr(props, "shared_memory_per_block_optin", None) or SM90_SMEM
 
 
-def default_chunk(ext, layout: int, bf16: bool, bwd: bool, S: int, L: int, N: int, sms: int, algo: int,
+def default_chunk(ext, layout: int, form: int, bwd: bool, S: int, L: int, N: int, sms: int, algo: int,
                   smem_limit: int = SM90_SMEM) -> int:
     """The chunk length (steps per block or warp) when the caller gives none; `algo` is `algo_code`'s code.
 
@@ -70,8 +74,9 @@ def default_chunk(ext, layout: int, bf16: bool, bwd: bool, S: int, L: int, N: in
     set its pace for few sequences, so at N <= 64 it doubles up to 2048 / N steps (<= 64) for <= 16 sequences
     and real bf16, at N = 65-128 up to 32 steps for <= 8 sequences and real bf16, while >= 4 blocks an SM remain
     and the block fits `smem_limit`. Measurements and the shapes each rule lost at: docs/kernels.md."""
+    bf16 = form == BF16
     if not bwd and algo == ALGOS["warp"]:
-        slots = warp_slots(ext, layout, bool(bf16), N, sms)
+        slots = warp_slots(ext, layout, form, N, sms)
         chunks = lambda t: S * -(-L // t)
         T = 1 << max(3, min(7, (max(L, 1) // 32).bit_length() - 1))
         if chunks(T) > slots:
@@ -91,14 +96,14 @@ def default_chunk(ext, layout: int, bf16: bool, bwd: bool, S: int, L: int, N: in
             T *= 2
         return T
     T = 16
-    while T > 4 and (ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
+    while T > 4 and (ext.smem_bytes(layout, form, N, T, bwd, algo) > 64 * 1024 or S * -(-L // T) < 4 * sms):
         T //= 2
-    while T > 1 and ext.smem_bytes(layout, bf16, N, T, bwd, algo) > 200 * 1024:
+    while T > 1 and ext.smem_bytes(layout, form, N, T, bwd, algo) > 200 * 1024:
         T //= 2
     if bwd and N <= 128 and (S <= (16 if N <= 64 else 8) or (layout == REAL and bf16)):
         cap = min(64, 2048 // N) if N <= 64 else 32
         while 2 * T <= cap and S * -(-L // (2 * T)) >= 4 * sms and \
-                ext.smem_bytes(layout, bf16, N, 2 * T, bwd, algo) <= smem_limit:
+                ext.smem_bytes(layout, form, N, 2 * T, bwd, algo) <= smem_limit:
             T *= 2
     return T
 
@@ -106,12 +111,12 @@ def default_chunk(ext, layout: int, bf16: bool, bwd: bool, S: int, L: int, N: in
 REPAIR_MIN_T_BF16 = 128   # bf16 replays cost half as much: over many waves a log under 128 steps was slower
 
 
-def repair_capacity(code: int, bwd: bool, bf16: bool, T: int, N: int, one_wave: bool = False) -> int:
+def repair_capacity(code: int, bwd: bool, form: int, T: int, N: int, one_wave: bool = False) -> int:
     """Entries per chunk of the warp forward's repair log (0: no log, every chunk replays in full) for chunks of at
     most T steps; `one_wave`: the launch's chunks all fit on the GPU at once (bf16 chunks are then logged from 24
     steps, else from 128). Random maps keep ~2N ln(T/kc) entries in all from the collapse step kc on, so T N / 8
     leaves ~2x room at T = 64 (T N / 16 lost time to full-replay fallbacks; docs/kernels.md)."""
-    min_t = REPAIR_MIN_T_BF16 if bf16 and not one_wave else REPAIR_MIN_T
+    min_t = REPAIR_MIN_T_BF16 if form == BF16 and not one_wave else REPAIR_MIN_T
     if bwd or code != ALGOS["warp"] or not min_t <= T <= REPAIR_MAX_T:
         return 0
     return T * N // 8

@@ -40,8 +40,8 @@ def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, s
     tm = t < L
     xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
     xm = tm[:, None] & (n[None, :] < N)
-    x_re = tl.load(xre_ptr + xo, mask=xm, other=0.0)
-    x_im = tl.load(xim_ptr + xo, mask=xm, other=0.0)
+    x_re = tl.load(xre_ptr + xo, mask=xm, other=0.0).to(tl.float32)
+    x_im = tl.load(xim_ptr + xo, mask=xm, other=0.0).to(tl.float32)
     cw = c_ptr + ((h * P + p[None, :]) * N + n[:, None]) * 2                  # C[h, p, n, :] as [n, p]
     cmask = (n[:, None] < N) & (p[None, :] < P)
     y = tl.dot(x_re, tl.load(cw, mask=cmask, other=0.0), input_precision=PRECISION)
@@ -64,8 +64,10 @@ def _injection_fwd_kernel(u_ptr, bw_ptr, bre_ptr, bim_ptr, L, H, su_b, su_l, N: 
     wmask = (p[:, None] < P) & (n[None, :] < N)
     xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
     xm = tm[:, None] & (n[None, :] < N)
-    tl.store(bre_ptr + xo, tl.dot(u, tl.load(bw, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
-    tl.store(bim_ptr + xo, tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0), input_precision=PRECISION), mask=xm)
+    b_re = tl.dot(u, tl.load(bw, mask=wmask, other=0.0), input_precision=PRECISION)
+    b_im = tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0), input_precision=PRECISION)
+    tl.store(bre_ptr + xo, b_re.to(bre_ptr.dtype.element_ty), mask=xm)
+    tl.store(bim_ptr + xo, b_im.to(bim_ptr.dtype.element_ty), mask=xm)
 
 
 @triton.jit
@@ -91,11 +93,13 @@ def _readout_bwd_kernel(gy_ptr, xre_ptr, xim_ptr, c_ptr, u_ptr, gre_ptr, gim_ptr
         gskip += tl.sum(g * u, axis=0)
         xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
         xm = tm[:, None] & (n[None, :] < N)
-        tl.store(gre_ptr + xo, tl.dot(g, c_re, input_precision=PRECISION), mask=xm)
-        tl.store(gim_ptr + xo, -tl.dot(g, c_im, input_precision=PRECISION), mask=xm)
+        tl.store(gre_ptr + xo, tl.dot(g, c_re, input_precision=PRECISION).to(gre_ptr.dtype.element_ty), mask=xm)
+        tl.store(gim_ptr + xo, (-tl.dot(g, c_im, input_precision=PRECISION)).to(gim_ptr.dtype.element_ty), mask=xm)
         gt = tl.trans(g)
-        gc_re += tl.dot(gt, tl.load(xre_ptr + xo, mask=xm, other=0.0), input_precision=PRECISION)
-        gc_im -= tl.dot(gt, tl.load(xim_ptr + xo, mask=xm, other=0.0), input_precision=PRECISION)
+        x_re = tl.load(xre_ptr + xo, mask=xm, other=0.0).to(tl.float32)
+        x_im = tl.load(xim_ptr + xo, mask=xm, other=0.0).to(tl.float32)
+        gc_re += tl.dot(gt, x_re, input_precision=PRECISION)
+        gc_im -= tl.dot(gt, x_im, input_precision=PRECISION)
     go = (h * P + p[:, None]) * N + n[None, :]
     tl.atomic_add(gc_ptr + go, gc_re, mask=cmask, sem="relaxed")
     tl.atomic_add(gc_ptr + H * P * N + go, gc_im, mask=cmask, sem="relaxed")
@@ -127,8 +131,8 @@ def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, g
             u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P), mask=pm, other=0.0).to(tl.float32)
             xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
             xm = tm[:, None] & (n[None, :] < N)
-            gre = tl.load(gbre_ptr + xo, mask=xm, other=0.0)
-            gim = tl.load(gbim_ptr + xo, mask=xm, other=0.0)
+            gre = tl.load(gbre_ptr + xo, mask=xm, other=0.0).to(tl.float32)
+            gim = tl.load(gbim_ptr + xo, mask=xm, other=0.0).to(tl.float32)
             gu += tl.dot(gre, b_re, input_precision=PRECISION)
             gu += tl.dot(gim, b_im, input_precision=PRECISION)
             gb_re_w += tl.dot(tl.trans(gre), u, input_precision=PRECISION)
@@ -165,7 +169,7 @@ def _bwd_config(config, default, bn, bp):
 
 def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
     """y [b, L, H*P] (written in place, any row strides) = Re(C_h x_t) + D_skip * u_t; x planes [b, H, L, N]
-    contiguous float32, C [H, P, N, 2] float32 contiguous, D_skip [H, P] float32, u [b, L, H*P]."""
+    contiguous float32 or bfloat16, C [H, P, N, 2] float32 contiguous, D_skip [H, P] float32, u [b, L, H*P]."""
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
@@ -175,13 +179,13 @@ def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
             BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
 
 
-def injection_fwd(u, Bw, precision: str):
-    """The injection planes (B_h u_t) [b, H, L, N] float32 (re, im) from u [b, L, H*P] and Bw [H, N, P, 2] float32
-    contiguous."""
+def injection_fwd(u, Bw, precision: str, dtype: torch.dtype = torch.float32):
+    """The injection planes (B_h u_t) [b, H, L, N] (re, im) of `dtype` (products in float32) from u [b, L, H*P]
+    and Bw [H, N, P, 2] float32 contiguous."""
     b, L = u.shape[:2]
     H, N, P = Bw.shape[:3]
     bn, bp = _blocks(N, P)
-    b_re = torch.empty(b, H, L, N, device=u.device, dtype=torch.float32)
+    b_re = torch.empty(b, H, L, N, device=u.device, dtype=dtype)
     b_im = torch.empty_like(b_re)
     if b * L:
         _injection_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
@@ -191,7 +195,7 @@ def injection_fwd(u, Bw, precision: str):
 
 
 def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str, config: dict | None = None):
-    """(dL/dx_re, dL/dx_im) [b, H, L, N] float32 from g_y [b, L, H*P]; adds into gC [2, H, P, N] (re, im) and
+    """(dL/dx_re, dL/dx_im) [b, H, L, N] in the x planes' dtype from g_y [b, L, H*P]; adds into gC [2, H, P, N] (re, im) and
     gskip [H, P] (float32). config: READOUT_BWD_CONFIG's shape (default: `_bwd_config`'s)."""
     b, H, L, N = x_re.shape
     P = C.shape[1]

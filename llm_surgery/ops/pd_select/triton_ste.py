@@ -34,15 +34,15 @@ def _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, b, h, t, n, L, base
     valid = (t[:, None] < L) & (n[None, :] < N) & (t[:, None] >= 0)
     off = base[:, None] + t[:, None] * s_l + n[None, :] * s_n
     has_prev = valid & (t[:, None] > 0)
-    dre = tl.load(d_re + off, mask=valid, other=0.0)
-    xr = tl.load(x_re + off - s_l, mask=has_prev, other=0.0)
+    dre = tl.load(d_re + off, mask=valid, other=0.0).to(tl.float32)
+    xr = tl.load(x_re + off - s_l, mask=has_prev, other=0.0).to(tl.float32)
     if HAS_X0:
         first = valid & (t[:, None] == 0)
         x0 = x0_off[:, None] + n[None, :] * x0_sn
         xr += tl.load(x0_re + x0, mask=first, other=0.0)
     if COMPLEX:
-        dim = tl.load(d_im + off, mask=valid, other=0.0)
-        xi = tl.load(x_im + off - s_l, mask=has_prev, other=0.0)
+        dim = tl.load(d_im + off, mask=valid, other=0.0).to(tl.float32)
+        xi = tl.load(x_im + off - s_l, mask=has_prev, other=0.0).to(tl.float32)
         if HAS_X0:
             xi += tl.load(x0_im + x0, mask=first, other=0.0)
         out_re = dre * xr - dim * xi
@@ -91,9 +91,9 @@ def _selector_block(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_p
         idx = tl.load(p_ptr + (h * K + k[:, None]) * N + n[None, :], mask=kn, other=0).to(tl.int64)
         src = row + idx[None, :, :] * s_n
         valid = tmask[:, None, None] & kn[None, :, :]
-        acc = tl.load(lam_re + src, mask=valid, other=0.0) * dre[:, None, :]
+        acc = tl.load(lam_re + src, mask=valid, other=0.0).to(tl.float32) * dre[:, None, :]
         if COMPLEX:
-            acc += tl.load(lam_im + src, mask=valid, other=0.0) * dim[:, None, :]
+            acc += tl.load(lam_im + src, mask=valid, other=0.0).to(tl.float32) * dim[:, None, :]
         tl.store(r_ptr + out_row[:, None] + k[None, :], tl.sum(acc, axis=2), mask=tmask[:, None] & (k[None, :] < K))
 
 
@@ -127,9 +127,9 @@ def _selector_dot_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, m
         for n0 in tl.static_range(0, BLOCK_N, ROWS):
             src = row[:, None] + (n0 + j[None, :]) * s_n
             lmask = tmask[:, None] & (n0 + j[None, :] < N)
-            q = tl.load(lam_re + src, mask=lmask, other=0.0)[:, :, None] * dre[:, None, :]
+            q = tl.load(lam_re + src, mask=lmask, other=0.0).to(tl.float32)[:, :, None] * dre[:, None, :]
             if COMPLEX:
-                q += tl.load(lam_im + src, mask=lmask, other=0.0)[:, :, None] * dim[:, None, :]
+                q += tl.load(lam_im + src, mask=lmask, other=0.0).to(tl.float32)[:, :, None] * dim[:, None, :]
             pick = (dest[None, :, :] == (n0 + j)[:, None, None])                           # [ROWS, m, k]
             q = tl.reshape(q, (BLOCK_T, ROWS * BLOCK_N))
             pick = tl.reshape(pick, (ROWS * BLOCK_N, BLOCK_K))
@@ -175,15 +175,15 @@ def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im
         if DX_GIVEN:   # the x planes hold dx itself (the fused backward wrote it)
             cm = valid[:, None] & (m[None, :] < N)
             co = base[:, None] + ll[:, None] * s_l + m[None, :] * s_n
-            cre = tl.load(x_re + co, mask=cm, other=0.0)
-            cim = tl.load(x_im + co, mask=cm, other=0.0)
+            cre = tl.load(x_re + co, mask=cm, other=0.0).to(tl.float32)
+            cim = tl.load(x_im + co, mask=cm, other=0.0).to(tl.float32)
         else:
             cre, cim = _dx_tile(d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, bb, h, ll, m, L, base, s_l, s_n,
                                 x0_off, x0_sn, N, COMPLEX, HAS_X0, HAS_MASK)
-        a = tl.load(lam_re + ln, mask=lmask, other=0.0)
+        a = tl.load(lam_re + ln, mask=lmask, other=0.0).to(tl.float32)
         acc += tl.dot(tl.trans(a), cre, input_precision=PRECISION)
         if COMPLEX:
-            a = tl.load(lam_im + ln, mask=lmask, other=0.0)
+            a = tl.load(lam_im + ln, mask=lmask, other=0.0).to(tl.float32)
             acc += tl.dot(tl.trans(a), cim, input_precision=PRECISION)
     out = g_ptr + hk * N * N + n[:, None] * N + m[None, :]
     # the emptiness test as a full tile: Triton 3.9's interpreter rejects an atomic mask built with a scalar
@@ -221,7 +221,8 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors (None for a part left out of `parts`;
     the configs override the defaults below, for bench/ste_kernels.py).
 
-    lam, D, x: (re, im) float32 planes [B,H,L,N] with one set of strides (im None for a real scan), or real /
+    lam, D, x: (re, im) planes [B,H,L,N] (float32, or bfloat16: read as float32) with one set of strides (im None
+    for a real scan), or real /
     complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
     mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count. precision: the
     products' input precision, "ieee" (exact float32: the selector sum gathers) or "tf32" (tensor cores for both

@@ -103,8 +103,8 @@ def _transition_bwd_kernel(proj_ptr, bias_ptr, mask_ptr, gre_ptr, gim_ptr, r_ptr
     mag, dmag, cos, sin, _ = polar_parts(proj_ptr, bias, row, n, tmask, snap_scale, phase_step, K, N, SNAP, LEVELS)
     valid = tmask[:, None] & (n[None, :] < N)
     out = seq[:, None] * N + n[None, :]
-    g_re = tl.load(gre_ptr + out, mask=valid, other=0.0)
-    g_im = tl.load(gim_ptr + out, mask=valid, other=0.0)
+    g_re = tl.load(gre_ptr + out, mask=valid, other=0.0).to(tl.float32)
+    g_im = tl.load(gim_ptr + out, mask=valid, other=0.0).to(tl.float32)
     g_mag = g_re * cos + g_im * sin
     g_phase = mag * (g_im * cos - g_re * sin)
     g_a = g_mag * dmag
