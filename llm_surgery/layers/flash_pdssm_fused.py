@@ -159,14 +159,10 @@ class _FusedMiddle(torch.autograd.Function):
         return torch.bfloat16 if _FusedMiddle.HALF_PLANES and dtype != torch.float32 else torch.float32
 
     @staticmethod
-    def _slices(B, L, H, N, K, P, W, plane_bytes, backward: bool):
-        # bytes a token and head: D and P_t (10N, 12 with room), k*, and in the forward b's pair of state-sized
-        # planes of `plane_bytes` and the projection; in the backward three pairs (dL/dx = dL/db, dL/dD, the gate's
-        # b), r, the projection's gradient and u's
-        if backward:
-            per_sequence = L * H * ((12 + 6 * plane_bytes) * N + 4 * K + 12 * P + 4 * W + 8)
-        else:
-            per_sequence = L * H * ((12 + 2 * plane_bytes) * N + 2 * W + 8)
+    def _slices(B, L, H, N, K, P, W, plane_bytes):
+        # bytes a token and head: D and P_t (10N, 12 with room), three pairs of state-sized planes of `plane_bytes`
+        # (b or dL/dx = dL/db, dL/dD, the gate's b), r, the projection's gradient and u's
+        per_sequence = L * H * ((12 + 6 * plane_bytes) * N + 4 * K + 12 * P + 4 * W + 8)
         return _batch_slices(B, per_sequence, _FusedMiddle.SLICE_BYTES)
 
     # the one-kernel path's programs each walk a whole sequence, so a launch needs this many (sequence, head) pairs
@@ -216,7 +212,7 @@ class _FusedMiddle(torch.autograd.Function):
         keep_proj = grad and not one_kernel and _FusedMiddle.KEEP_PROJECTION
         proj_kept = torch.empty(B, L, H * W, dtype=u.dtype, device=u.device) if keep_proj else None
         slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
-                  else _FusedMiddle._slices(B, L, H, N, K, P, W, planes.itemsize, backward=False))
+                  else _FusedMiddle._slices(B, L, H, N, K, P, W, planes.itemsize))
         for sl in slices:
             b = u[sl].shape[0]
             if keep_proj:
@@ -320,7 +316,7 @@ class _FusedMiddle(torch.autograd.Function):
         Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
         Wu = Wx.to(u.dtype)
         g = _Grads(u, Wx, M, C, b_gate)
-        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W, x_re.element_size(), backward=True):
+        for sl in _FusedMiddle._slices(B, L, H, N, K, P, W, x_re.element_size()):
             m = None if mask is None else mask[sl]
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
