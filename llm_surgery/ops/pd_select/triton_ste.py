@@ -212,7 +212,7 @@ SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "b
 # spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
 # registers and none at N = K = 32), so larger states keep the gathers
 SELECTOR_DOT_MAX_BLOCK_N = 32   # bench/selector_dot_registers.py
-DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}
+DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}   # seg: the longest piece (`_dictionary`)
 
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
@@ -322,7 +322,10 @@ def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0,
     starts = torch.cat([counts.new_zeros(H, 1), counts.cumsum(1)], dim=1).to(torch.int32).contiguous()  # [H, K+1]
     G = torch.zeros(H, K, N, N, device=device, dtype=torch.float32)
     bn = min(64, block_n)
-    seg = dcfg["seg"]
+    # a piece's loop has a fixed trip count (seg / block_t), so a piece runs its whole length even where its member
+    # has fewer tokens: with few tokens per member (a batch of one, 64 members: ~32 each) pieces of the mean count
+    # (at least one block), not of the config's length, which stays the cap
+    seg = min(dcfg["seg"], max(dcfg["block_t"], triton.next_power_of_2(max(1, T // K))))
     # the grid lists only non-empty pieces: selections are skewed (one member may take most tokens of a head
     # while others take none), and a (member x largest-piece-count) grid was mostly empty programs. Its size is
     # the bound T/seg + K pieces per head, so no host sync is needed; items past the real count get an empty
