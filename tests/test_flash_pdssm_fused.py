@@ -103,24 +103,9 @@ def test_fused_path_bf16_cuda(one_kernel, monkeypatch):
     assert seen == (set() if one_kernel else {(torch.float32, torch.bfloat16)})
 
 
-# (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
-# drift option; odd sizes (N = 20, K = 5: not powers of two) run a subset
-INTERPRETED = [
-    (True, {}, None),
-    (False, {}, None),
-    (True, {"num_heads": 4, "state_size": 20, "dict_size": 5}, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]),
-]
-
-
-@pytest.mark.parametrize("one_kernel,sizes,cases", INTERPRETED)
-def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
-    """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences).
-    The cases run in one subprocess per CPU core (two on CI's machine): the interpreter keeps one core busy, and
-    these are the suite's longest tests."""
-    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):  # e.g. a GPU image's 3.6: its CUDA tests
-        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
-    code = textwrap.dedent("""
+# The fused op under Triton's interpreter: the split CUDA scan replaced by the torch scan (computed in float32 from
+# whatever planes it gets), the fused path forced on, `_compare` printed as JSON with the planes' dtypes the scan saw
+_INTERPRETED = textwrap.dedent("""
         import json, sys, torch
         sys.path.insert(0, {tests!r})
         from llm_surgery.ops.pd_scan import cuda, pd_scan, pd_scan_backward
@@ -128,7 +113,10 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
 
         c = lambda re, im: torch.complex(re.float(), im.float())   # bf16 planes computed in float32, as the kernels do
 
+        seen = set()   # (D's, b's and x's plane dtypes) of each forward scan
+
         def fwd(P, D_re, D_im, b_re, b_im, x0=None, out=None, last=None):
+            seen.add((str(D_re.dtype), str(b_re.dtype), str(out[0].dtype)))
             x = pd_scan(P, c(D_re, D_im), c(b_re, b_im), x0)
             out[0].copy_(x.real)
             out[1].copy_(x.imag)
@@ -150,25 +138,66 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
         flash_pdssm_fused.one_kernel_pays = lambda *args: {one_kernel!r}
         flash_pdssm_fused._FusedMiddle.SLICE_BYTES = 1   # one sequence per slice: the sliced loops are exercised
         from test_flash_pdssm_fused import _compare
-        print(json.dumps(_compare("cpu", cases={cases!r}, **{sizes!r})))
+        worst = _compare("cpu", getattr(torch, {dtype!r}), cases={cases!r}, **{sizes!r})
+        print(json.dumps({{"worst": worst, "planes": sorted(seen)}}))
     """)
-    cases = cases or ALL_CASES
+
+
+def _run_interpreted(cases, one_kernel, sizes, dtype="float32"):
+    """`_compare` for `cases` under the interpreter, in one subprocess per CPU core (two on CI's machine: the
+    interpreter keeps one core busy, and these are the suite's longest tests); (worst deviations, planes seen)."""
     n = min(len(cases), os.cpu_count() or 1)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    runs = [subprocess.Popen([sys.executable, "-c", code.format(tests=os.path.dirname(__file__), one_kernel=one_kernel,
-                                                                 cases=cases[i::n], sizes=sizes)],
+    runs = [subprocess.Popen([sys.executable, "-c", _INTERPRETED.format(
+                tests=os.path.dirname(__file__), one_kernel=one_kernel, cases=cases[i::n], sizes=sizes, dtype=dtype)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    worst = {}
+    worst, planes = {}, set()
     try:
         for run in runs:
             stdout, stderr = run.communicate(timeout=900)
             assert run.returncode == 0, stderr[-3000:]
-            worst.update(json.loads(stdout.strip().splitlines()[-1]))
+            out = json.loads(stdout.strip().splitlines()[-1])
+            worst.update(out["worst"])
+            planes.update(tuple(p) for p in out["planes"])
     finally:
         for run in runs:
             run.kill()
     assert len(worst) == 2 * len(cases), "a case is missing from the subprocesses' results"
+    return worst, planes
+
+
+def _interpreter_runs_kernels():
+    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):  # e.g. a GPU image's 3.6: its CUDA tests
+        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+
+
+# (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
+# drift option; odd sizes (N = 20, K = 5: not powers of two) run a subset
+INTERPRETED = [
+    (True, {}, None),
+    (False, {}, None),
+    (True, {"num_heads": 4, "state_size": 20, "dict_size": 5}, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]),
+]
+
+
+@pytest.mark.parametrize("one_kernel,sizes,cases", INTERPRETED)
+def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
+    """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences).
+    A float32 layer keeps float32 planes, so both paths agree to float32 precision."""
+    _interpreter_runs_kernels()
+    worst, planes = _run_interpreted(cases or ALL_CASES, one_kernel, sizes)
     _assert_close(worst, 1e-5)
+    assert planes == (set() if one_kernel else {("torch.float32", "torch.float32", "torch.float32")})
+
+
+def test_fused_path_bf16_planes_interpreted():
+    """A bf16 layer's separate kernels under the interpreter: b, x and the gradients' planes in bfloat16 with D in
+    float32 (pd_scan's mixed form) agree with the torch path to bf16 precision (the CUDA test's bound)."""
+    _interpreter_runs_kernels()
+    worst, planes = _run_interpreted([(None, {}), ("decay", {})], False, {}, "bfloat16")
+    _assert_close(worst, 5e-2)
+    assert planes == {("torch.float32", "torch.bfloat16", "torch.bfloat16")}
 
 
 @pytest.mark.cuda

@@ -191,6 +191,9 @@ def test_cuda_repair_log_capacity_without_a_gpu():
     assert policy.repair_capacity(warp, False, True, 16, 128, one_wave=True) == 0
     assert policy.repair_capacity(block, False, False, 128, 128) == 0   # the block kernel has no repair
     assert policy.repair_capacity(warp, True, False, 128, 128) == 0     # nor has the backward
+    # the mixed form (float32 D, bfloat16 b and x) replays float32 D rows: float32's rule, from 24 steps
+    assert policy.repair_capacity(warp, False, policy.MIXED, 64, 128) == 1024
+    assert policy.repair_capacity(warp, False, policy.MIXED, 16, 128) == 0
 
 
 def test_cuda_repair_bounds_match_the_kernel_source():
@@ -257,6 +260,12 @@ def test_cuda_layouts_kernel_choice_and_limits_match_the_kernel_source():
     assert "const int algo = bwd ? ALGO_BLOCK : a.algo;" in launcher
     assert policy.algo_code("auto", policy.WARP_MAX_N, False) == const["ALGO_WARP"]
     assert policy.algo_code("auto", policy.WARP_MAX_N + 1, False) == const["ALGO_BLOCK"]
+    # the plane-type forms the Python side passes as `form`: float32, bfloat16, mixed (split layout only)
+    pairs = re.findall(r"\(layout\) == (REAL|SPLIT|CPLX) && \(form\) == (\d)\s*\? F<\w+, (\w+)>", launcher)
+    assert {(lay, int(code), t) for lay, code, t in pairs} == {
+        ("REAL", policy.FLOAT32, "float"), ("REAL", policy.BF16, "__nv_bfloat16"), ("SPLIT", policy.FLOAT32, "float"),
+        ("SPLIT", policy.BF16, "__nv_bfloat16"), ("SPLIT", policy.MIXED, "Mixed")}, pairs
+    assert "X(SPLIT, Mixed)" in read("pd_scan_kernels.cuh")
     assert "__launch_bounds__(1024) pd_bwd_kernel" in read("pd_bwd.cu") and cuda.MAX_N == 1024
     assert "using Idx = int16_t;" in read("pd_scan.cuh") and cuda.MAX_N < 2 ** 15
 

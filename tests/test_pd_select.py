@@ -111,6 +111,39 @@ def test_selector_sum_on_tensor_cores_interpreted(dtype):
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
 
 
+def test_straight_through_sums_read_bf16_planes_as_float32_interpreted():
+    """The fused backward hands the straight-through sums bfloat16 lam and x planes (float32 D): both sums, in both
+    selector forms, equal the sums over float32 copies of the same values (every load widened before any
+    arithmetic), under Triton's interpreter."""
+    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+    code = textwrap.dedent("""
+        import torch
+        from llm_surgery.ops.pd_select.triton_ste import ste_grads_triton
+        torch.manual_seed(0)
+        B, H, L, N, K = 2, 3, 45, 32, 8
+        half = lambda: torch.randn(B, H, L, N).to(torch.bfloat16)
+        lam, x = (half(), half()), (half(), half())
+        D = (torch.randn(B, H, L, N), torch.randn(B, H, L, N))
+        x0 = torch.randn(B, H, N, dtype=torch.complex64)
+        kstar = torch.randint(0, K, (B, H, L))
+        P = torch.randint(0, N, (H, K, N)).to(torch.int16)
+        wide = lambda planes: tuple(p.float() for p in planes)
+        worst = 0.0
+        for precision in ("ieee", "tf32"):   # the gathers' selector form and the tensor cores' one
+            G, r = ste_grads_triton(P, kstar, lam, D, x, x0, None, K, precision=precision)
+            G0, r0 = ste_grads_triton(P, kstar, wide(lam), D, wide(x), x0, None, K, precision=precision)
+            worst = max(worst, ((G - G0).abs().max() / G0.abs().max()).item(),
+                        ((r - r0).abs().max() / r0.abs().max()).item())
+        print(worst)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
+
+
 @pytest.mark.parametrize("N,kernel", [(32, "_selector_dot"), (40, "_selector")])
 def test_half_precision_selector_sum_uses_the_tensor_cores_only_where_its_kernel_fits(monkeypatch, N, kernel):
     """TF32 layers take the tensor-core selector sum up to 32 state entries; beyond, its kernel spills registers

@@ -7,9 +7,9 @@ node (`fused_middle`); the layer runs it under `backend="auto"` or `"kernel"`.
     (dx rebuilt in the kernels) -> pd_transition backward -> dL/du and the weights' gradients
 
 Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_readout`), which is its reference in
-tests; the difference is memory traffic and peak memory. Complex values stay split in float32 planes, so no
-complex tensor and no float32 copy of the projection is ever made; the backward keeps only u, the projection (in
-u's dtype), the states and the weights: D, P_t and k* are recomputed per slice, and every state-sized temporary
+tests; the difference is memory traffic and peak memory. Complex values stay split in real planes (float32, or for
+half-precision layers bfloat16 but for D: `_FusedMiddle.HALF_PLANES`), so no complex tensor and no float32 copy of
+the projection is ever made; the backward keeps only u, the projection (in u's dtype), the states and the weights: D, P_t and k* are recomputed per slice, and every state-sized temporary
 lives for one batch slice. The per-head products around the scan (readout, its backward, the injection's
 backward) are Triton kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's
 [B, L, H*P] layout.
@@ -150,8 +150,8 @@ class _FusedMiddle(torch.autograd.Function):
 
     # the dtype of the state-sized planes (b, x, dL/dx, dL/dD) of the separate kernels' path: bfloat16 for
     # half-precision layers (D stays float32: pd_scan's mixed form), float32 for float32 layers, whose reference is
-    # exact. At width 1024, B=32 on an H100: 8-10% off forward + backward at L = 2048-8192 and 17-22% off the peak
-    # (BENCHMARKS.md); the README's main job on the GPU learns as with float32 planes
+    # exact. At width 1024, B=32 on an H100: 9% off forward + backward at L = 4096 and 8192 (noisy at 2048), 17-22%
+    # off the peak (BENCHMARKS.md); the README's main job on the GPU learns as with float32 planes
     HALF_PLANES = True
 
     @staticmethod
@@ -238,7 +238,8 @@ class _FusedMiddle(torch.autograd.Function):
             del proj
             xr, xi = x_re[sl], x_im[sl]
             # the last state in float32 from the scan, whatever the planes' dtype
-            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi), last=(last_re[sl], last_im[sl]))
+            pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi),
+                                   last=(last_re[sl], last_im[sl]))
             del D_re, D_im, P_t, b_re, b_im
             readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj_kept)

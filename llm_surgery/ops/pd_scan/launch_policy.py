@@ -13,9 +13,10 @@ import functools
 
 import torch
 
-__all__ = ["REAL", "SPLIT", "CPLX", "FLOAT32", "BF16", "MIXED", "ALGOS", "WARP_MAX_N", "algo_code", "warp_slots", "SM90_SMEM", "smem_limit",
-           "default_chunk", "REPAIR_MIN_T", "REPAIR_MAX_T", "REPAIR_MIN_T_BF16", "repair_capacity", "PROBES",
-           "link_words", "RAMP", "chunk_ramp", "chunk_starts_on", "chunk_starts", "CHUNK_TABLES"]
+__all__ = ["REAL", "SPLIT", "CPLX", "FLOAT32", "BF16", "MIXED", "ALGOS", "WARP_MAX_N", "algo_code", "warp_slots",
+           "SM90_SMEM", "smem_limit", "default_chunk", "REPAIR_MIN_T", "REPAIR_MAX_T", "REPAIR_MIN_T_BF16",
+           "repair_capacity", "PROBES", "link_words", "RAMP", "chunk_ramp", "chunk_starts_on", "chunk_starts",
+           "CHUNK_TABLES"]
 
 # The kernels' constants mirrored here (tests/test_pd_scan.py reads each from its kernel file and compares)
 REAL, SPLIT, CPLX = 0, 1, 2         # data layouts: kernels/pd_scan_common.cuh, enum Layout

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ste import _tile
+
 
 @triton.jit
 def _rows(L, H, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, blk):
@@ -157,7 +159,8 @@ LARGE_HEAD_BWD_CONFIG = {"block_l": 64, "repeat": 8, "num_warps": 4}
 
 
 def _blocks(N, P):
-    return max(16, triton.next_power_of_2(N)), max(16, triton.next_power_of_2(P))
+    """The tiles' sides for a head's state and width (`triton_ste._tile`: one rule for every fused kernel)."""
+    return _tile(N), _tile(P)
 
 
 def _bwd_config(config, default, bn, bp):
@@ -195,8 +198,8 @@ def injection_fwd(u, Bw, precision: str, dtype: torch.dtype = torch.float32):
 
 
 def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str, config: dict | None = None):
-    """(dL/dx_re, dL/dx_im) [b, H, L, N] in the x planes' dtype from g_y [b, L, H*P]; adds into gC [2, H, P, N] (re, im) and
-    gskip [H, P] (float32). config: READOUT_BWD_CONFIG's shape (default: `_bwd_config`'s)."""
+    """(dL/dx_re, dL/dx_im) [b, H, L, N] in the x planes' dtype from g_y [b, L, H*P]; adds into gC [2, H, P, N]
+    (re, im) and gskip [H, P] (float32). config: READOUT_BWD_CONFIG's shape (default: `_bwd_config`'s)."""
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
