@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
   int* head = reinterpret_cast<int*>(smem);                     // [2][M]: byte offset of a list's first slot
   constexpr int slots_at = 2 * M * 4;
   Slot* slots = reinterpret_cast<Slot*>(smem + slots_at);       // [2][M]
-  Slot* rows = slots + 2 * M;   // [2][M]: phase 1's gathers P_k[pi], D_k[pi] (bf16: packed, see put_row)
+  Slot* rows = slots + 2 * M;   // [2][M]: phase 1's gathers P_k[pi], D_k[pi] (bf16 D: packed, see put_row)
   // after phase 1, the rows' space is scratch for the sorted aggregate and its applications
   int* s_cnt = reinterpret_cast<int*>(rows);                    // [M] counts, then (aliased) res
   A* s_res = reinterpret_cast<A*>(rows);
@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(32, (E <= 4 ? 16 : 8)) pd_fwd_warp_kernel(Scan
     constexpr int lbytes = warp_list_bytes(M, sizeof(A)) - 64 * (int)sizeof(A);
     constexpr int cap = lbytes / (a_planes * (int)sizeof(A) + 4);   // entries a piece (>= 64)
     A* sd = reinterpret_cast<A*>(smem);
-    A* sy = sd + cap;   // bf16 only
+    A* sy = sd + cap;   // bf16 outputs only
     int* sw = reinterpret_cast<int*>(sd + a_planes * cap);
     A* s_c = reinterpret_cast<A*>(smem + lbytes);   // [64]: c at each segment's start
     auto stage = [&](int oa) {

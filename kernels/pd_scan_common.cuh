@@ -70,24 +70,25 @@ template <typename In> struct Planes { using D = In; using V = In; };
 template <> struct Planes<Mixed> { using D = float; using V = __nv_bfloat16; };
 template <typename In> constexpr bool kOneType = sizeof(typename Planes<In>::D) == sizeof(typename Planes<In>::V);
 
-// One logical array (D, b, x, ...): planes in global memory and its slice in shared memory.
-template <int K, typename In> struct Arr {
+// One logical array (D, b, x, ...) of elements T (float or bfloat16; a form's types: Planes): planes in global
+// memory and its slice in shared memory.
+template <int K, typename T> struct Arr {
   using A = typename AccT<K>::T;
   static constexpr int planes = (K == SPLIT) ? 2 : 1;
-  static constexpr int esize = (K == CPLX) ? 8 : (int)sizeof(In);  // bytes per element of one plane
+  static constexpr int esize = (K == CPLX) ? 8 : (int)sizeof(T);  // bytes per element of one plane
   // read element i of a shared slice whose planes are `stride` elements apart
   static __device__ __forceinline__ A sload(const unsigned char* s, int i, int stride) {
-    if constexpr (K == REAL) return to_f(reinterpret_cast<const In*>(s)[i]);
+    if constexpr (K == REAL) return to_f(reinterpret_cast<const T*>(s)[i]);
     else if constexpr (K == SPLIT) {
-      const In* p = reinterpret_cast<const In*>(s);
+      const T* p = reinterpret_cast<const T*>(s);
       return make_float2(to_f(p[i]), to_f(p[i + stride]));
     } else return reinterpret_cast<const float2*>(s)[i];
   }
   static __device__ __forceinline__ void gstore(void* re, void* im, size_t i, A v) {
-    if constexpr (K == REAL) reinterpret_cast<In*>(re)[i] = from_f<In>(v);
+    if constexpr (K == REAL) reinterpret_cast<T*>(re)[i] = from_f<T>(v);
     else if constexpr (K == SPLIT) {
-      reinterpret_cast<In*>(re)[i] = from_f<In>(v.x);
-      reinterpret_cast<In*>(im)[i] = from_f<In>(v.y);
+      reinterpret_cast<T*>(re)[i] = from_f<T>(v.x);
+      reinterpret_cast<T*>(im)[i] = from_f<T>(v.y);
     } else reinterpret_cast<float2*>(re)[i] = v;
   }
 };
@@ -286,10 +287,10 @@ __device__ __forceinline__ void prof_staged(long long* prof) {
 
 // Stage `count` elements of one logical array (its re plane, and its im plane for SPLIT) from element `row` on
 // into shared memory at dst (planes plane_bytes apart).
-template <int K, typename In>
+template <int K, typename T>   // T: the array's element type (Arr)
 __device__ __forceinline__ void stage_array(unsigned char* dst, int plane_bytes, const void* re, const void* im,
                                             size_t row, int count, uint64_t* bar, unsigned& tx) {
-  using R = Arr<K, In>;
+  using R = Arr<K, T>;
   const int nb = count * R::esize;
   stage_copy(dst, static_cast<const unsigned char*>(re) + row * R::esize, nb, bar, tx);
   if constexpr (K == SPLIT)
