@@ -14,6 +14,10 @@ fla's layers, our pd_scan CUDA) where available.
 
     PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
     python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
+
+`--profile N` adds, per kind, torch.profiler's N ops with the most self device time over one more step, and the
+step's wall time beside the sum of its kernels' times: a step whose kernels fill much less than its wall time is
+bound by the host issuing them, not by the GPU.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def train_steps(model, kind: str, args) -> dict:
     sync(args.device)
     dt = (time.perf_counter() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.device(args.device).type == "cuda" else float("nan")
+    if args.profile:
+        print(profile_step(step, kind, args), flush=True)
     del opt
     remove_inserted(model)
     for p in params:
@@ -81,6 +87,26 @@ def train_steps(model, kind: str, args) -> dict:
     return {"kind": kind, "n": n, "inserted_params": n_ins, "total_params": n_total, "first_step_s": first,
             "step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": peak,
             "loss": float(loss.detach().float())}
+
+
+def profile_step(step, kind: str, args) -> str:
+    """torch.profiler's `args.profile` ops with the most self device time (CPU time without a GPU) over one step,
+    headed by the step's wall time and the sum of its kernels' times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(args.device).type == "cuda"
+    sync(args.device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        sync(args.device)
+    wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    head = f"\n#### {kind}: one profiled step, wall {wall:.1f} ms"
+    if cuda:
+        head += f", kernels {sum(e.self_device_time_total for e in events) / 1e3:.1f} ms"
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return head + "\n\n" + events.table(sort_by=sort_by, row_limit=args.profile)
 
 
 def cuda_vs_cpu(kind: str, args) -> dict:
@@ -122,6 +148,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-host-kernels", action="store_true",
                     help="leave the host's Mamba2 layers on transformers' PyTorch path")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="per kind, the N ops with the most self device time over one more step (0: none)")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     if torch.device(args.device).type == "cuda":
