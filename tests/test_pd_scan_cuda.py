@@ -336,7 +336,7 @@ def test_split_forms_refuse_other_dtype_pairs():
     br, bi = b.real.float().contiguous(), b.imag.float().contiguous()
     with pytest.raises(TypeError, match="D float32 with the others bfloat16"):
         K.pd_scan_fwd_cuda_split(P, Dr, Di, br, bi)     # bf16 D with float32 b: no such form
-    with pytest.raises(TypeError, match="real plane's dtype"):
+    with pytest.raises(TypeError, match="D_im must have D_re's dtype torch.bfloat16"):
         K.pd_scan_fwd_cuda_split(P, Dr, Di.float(), br, bi)
 
 

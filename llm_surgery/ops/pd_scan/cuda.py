@@ -123,9 +123,9 @@ def load_error() -> str | None:
 
 
 # ---------------------------------------------------------------- argument handling
-def _check_common(P, planes, x0, names, typed=None):
-    """(S, L, N) after checking shapes and devices; the planes must share a dtype (only the first `typed` of them
-    where given: the split forms check their dtypes themselves)."""
+def _check_common(P, planes, x0, names, one_dtype=True):
+    """(S, L, N) after checking shapes and devices, and (`one_dtype`) that the planes share a dtype (the split forms
+    check theirs in `_split_form`)."""
     for name, t in zip(("P",) + names, (P,) + planes):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"pd_scan CUDA: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -141,8 +141,8 @@ def _check_common(P, planes, x0, names, typed=None):
         if t.device != P.device:
             raise ValueError(f"pd_scan CUDA: {name} is on {t.device}, P on {P.device}")
     dt = planes[0].dtype
-    for name, t in list(zip(names, planes))[:typed]:
-        if t.dtype != dt:
+    for name, t in zip(names, planes):
+        if one_dtype and t.dtype != dt:
             raise TypeError(f"pd_scan CUDA: {names[0]} and {name} must share a dtype, got {dt} and {t.dtype}")
     L, N = P.shape[-2:]
     if N > MAX_N:
@@ -277,8 +277,17 @@ def pd_scan_bwd_cuda(P, D, x0, x, grad_x, *, chunk=None, validate=False, out=Non
     return gD, gb, None if x0 is None else gx0.reshape(x0.shape).to(x0.dtype)
 
 
-def _split_form(D_dtype, v_dtype, v_name):
-    """The kernels' form for split planes: D's dtype and that of the other planes (`v_name`'s)."""
+def _split_form(d_planes, v_planes):
+    """The kernels' form for split planes, from D's planes and the others' ((name, tensor) pairs): each group of one
+    dtype, and the two groups' dtypes a pair the kernels take."""
+    for group in (d_planes, v_planes):
+        (ref_name, ref), *rest = group
+        for name, t in rest:
+            if t.dtype != ref.dtype:
+                raise TypeError(f"pd_scan CUDA split form: {name} must have {ref_name}'s dtype {ref.dtype}, "
+                                f"got {t.dtype}")
+    (_, D), (v_name, v) = d_planes[0], v_planes[0]
+    D_dtype, v_dtype = D.dtype, v.dtype   # the groups' dtypes
     if D_dtype == v_dtype and D_dtype in (torch.float32, torch.bfloat16):
         return BF16 if D_dtype == torch.bfloat16 else FLOAT32
     if D_dtype == torch.float32 and v_dtype == torch.bfloat16:
@@ -291,12 +300,8 @@ def pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0=None, *, chunk=None, va
                            algo="auto", last=None):
     """Complex pd_scan with D, b as real/imaginary planes (float32, bfloat16, or D float32 with b bfloat16); returns
     (x_re, x_im) in b's dtype. `last`: (re, im) float32 [S, N] tensors that receive the final state."""
-    S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"), typed=0)
-    for name, t, ref in (("D_im", D_im, D_re), ("b_im", b_im, b_re)):
-        if t.dtype != ref.dtype:
-            raise TypeError(f"pd_scan CUDA split form: {name} must have its real plane's dtype {ref.dtype}, "
-                            f"got {t.dtype}")
-    form = _split_form(D_re.dtype, b_re.dtype, "b_re")
+    S, L, N = _check_common(P, (D_re, D_im, b_re, b_im), x0, ("D_re", "D_im", "b_re", "b_im"), one_dtype=False)
+    form = _split_form((("D_re", D_re), ("D_im", D_im)), (("b_re", b_re), ("b_im", b_im)))
     Pc = _idx(P, N, validate)
     Dr, Di, br, bi = (t.contiguous() for t in (D_re, D_im, b_re, b_im))
     xr, xi = (torch.empty_like(br), torch.empty_like(bi)) if out is None else out
@@ -320,13 +325,9 @@ def pd_scan_bwd_cuda_split(P, D_re, D_im, x0, x_re, x_im, g_re, g_im, *, chunk=N
     """Backward of the split form: (gD_re, gD_im, gb_re, gb_im, gx0); gD, gb in x's dtype (the forward's form: D
     float32 with x, g bfloat16 is the mixed one); gx0 complex64 (None without x0)."""
     names = ("D_re", "D_im", "x_re", "x_im", "g_re", "g_im")
-    S, L, N = _check_common(P, (D_re, D_im, x_re, x_im, g_re, g_im), x0, names, typed=0)
-    for name, t in zip(names[1:], (D_im, x_re, x_im, g_re, g_im)):
-        ref = D_re if name == "D_im" else x_re
-        if t.dtype != ref.dtype:
-            raise TypeError(f"pd_scan CUDA split form: {name} must have the dtype {ref.dtype} of "
-                            f"{'D_re' if name == 'D_im' else 'x_re'}, got {t.dtype}")
-    form = _split_form(D_re.dtype, x_re.dtype, "x_re")
+    planes = (D_re, D_im, x_re, x_im, g_re, g_im)
+    S, L, N = _check_common(P, planes, x0, names, one_dtype=False)
+    form = _split_form(tuple(zip(names[:2], planes[:2])), tuple(zip(names[2:], planes[2:])))
     Pc = _idx(P, N, validate)
     Dr, Di, xr, xi, gr, gi = (t.contiguous() for t in (D_re, D_im, x_re, x_im, g_re, g_im))
     if out is None:
