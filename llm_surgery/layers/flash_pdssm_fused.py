@@ -9,10 +9,10 @@ node (`fused_middle`); the layer runs it under `backend="auto"` or `"kernel"`.
 Same maths as the layer's torch path (`_ssm_inputs` + `pd_select_scan` + `_readout`), which is its reference in
 tests; the difference is memory traffic and peak memory. Complex values stay split in real planes (float32, or for
 half-precision layers bfloat16 but for D: `_FusedMiddle.HALF_PLANES`), so no complex tensor and no float32 copy of
-the projection is ever made; the backward keeps only u, the projection (in u's dtype), the states and the weights: D, P_t and k* are recomputed per slice, and every state-sized temporary
-lives for one batch slice. The per-head products around the scan (readout, its backward, the injection's
-backward) are Triton kernels (`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's
-[B, L, H*P] layout.
+the projection is ever made; the backward keeps only u, the projection (in u's dtype), the states and the weights:
+D, P_t and k* are recomputed per slice, and every state-sized temporary lives for one batch slice. The per-head
+products around the scan (readout, its backward, the injection's backward) are Triton kernels
+(`ops/pd_select/triton_readout.py`) that read u, y and their gradients in the layer's [B, L, H*P] layout.
 
 Second form, where `one_kernel_pays` (`triton_middle.CONFIG`: decode steps by default; longer sequences only when
 asked, slower there): after the projection, each pass is one Triton kernel per (sequence, head) with the state on

@@ -222,11 +222,10 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
     the configs override the defaults below, for bench/ste_kernels.py).
 
     lam, D, x: (re, im) planes [B,H,L,N] (float32, or bfloat16: read as float32) with one set of strides (im None
-    for a real scan), or real /
-    complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or None (zero initial state);
-    mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member count. precision: the
-    products' input precision, "ieee" (exact float32: the selector sum gathers) or "tf32" (tensor cores for both
-    sums, the selector's for N <= SELECTOR_DOT_MAX_BLOCK_N; for half-precision layers).
+    for a real scan), or real / complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or
+    None (zero initial state); mask [B,L] (0 = padding: no straight-through signal). K defaults to P_dict's member
+    count. precision: the products' input precision, "ieee" (exact float32: the selector sum gathers) or "tf32"
+    (tensor cores for both sums, the selector's for N <= SELECTOR_DOT_MAX_BLOCK_N; for half-precision layers).
     """
     lam, D, x, x0 = (p if isinstance(p, tuple) else float_planes(p) for p in (lam, D, x, x0))
     (lre, lim), (dre, dim), (xre, xim) = lam, D, x
