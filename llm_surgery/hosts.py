@@ -117,6 +117,9 @@ def tiny_config(arch: str = "granite", hidden_size: int = 64, vocab_size: int = 
     if hidden_size % 16:
         raise ValueError(f"hidden_size must be a multiple of 16 for the tiny hosts, got {hidden_size}")
     heads = max(2, hidden_size // 16)
+    # Mamba heads a multiple of 8, as in every real host: the in_proj rows (2 inner + 2 groups x state + heads) then
+    # stay a multiple of 8, which causal-conv1d's channel-last kernel needs where it is installed (CUDA)
+    mamba_heads = -(-heads // 8) * 8
     if arch == "granite":
         pattern = pattern or "M*M*"
         if set(pattern) - {"M", "*"}:
@@ -127,7 +130,7 @@ def tiny_config(arch: str = "granite", hidden_size: int = 64, vocab_size: int = 
             layer_types=["attention" if c == "*" else "mamba" for c in pattern],
             num_attention_heads=heads, num_key_value_heads=heads // 2, intermediate_size=2 * hidden_size,
             shared_intermediate_size=2 * hidden_size, num_local_experts=4 if moe else 0,
-            num_experts_per_tok=2 if moe else 0, mamba_n_heads=heads, mamba_n_groups=1, mamba_d_state=16,
+            num_experts_per_tok=2 if moe else 0, mamba_n_heads=mamba_heads, mamba_n_groups=1, mamba_d_state=16,
             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, position_embedding_type="nope",
             embedding_multiplier=12.0, residual_multiplier=0.246, attention_multiplier=1.0 / 16,
             logits_scaling=3.0, tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0,
@@ -137,7 +140,7 @@ def tiny_config(arch: str = "granite", hidden_size: int = 64, vocab_size: int = 
         d = dict(
             model_type="nemotron_h", vocab_size=vocab_size, hidden_size=hidden_size,
             hybrid_override_pattern=pattern, num_attention_heads=heads, num_key_value_heads=heads // 2,
-            head_dim=16, intermediate_size=2 * hidden_size, mamba_num_heads=heads, mamba_head_dim=16, n_groups=2,
+            head_dim=16, intermediate_size=2 * hidden_size, mamba_num_heads=mamba_heads, mamba_head_dim=16, n_groups=2,
             ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=hidden_size, moe_shared_expert_intermediate_size=hidden_size,
             tie_word_embeddings=False, max_position_embeddings=512, pad_token_id=0,

@@ -25,10 +25,6 @@ def _seed():
     torch.manual_seed(0)  # the inserted mixers' initial weights come from the global generator
 
 
-# the hosts' in_proj rows a multiple of 8, which causal-conv1d's channel-last kernel needs (the CUDA tests)
-EIGHT_MAMBA_HEADS = {"granite": {"mamba_n_heads": 8}, "nemotron": {"mamba_num_heads": 8}}
-
-
 @pytest.fixture(scope="module")
 def host_dirs(tmp_path_factory):
     """Each tiny host saved once with save_pretrained (what a user's local checkpoint looks like)."""
@@ -721,7 +717,7 @@ def test_cuda_matches_cpu_and_generates(arch, kind):
     from llm_surgery.host_kernels import keep_cpu_convolutions_in_torch
 
     keep_cpu_convolutions_in_torch()  # with causal-conv1d installed, the hosts' CPU reference needs it
-    model = build_tiny_host(arch, seed=1, **EIGHT_MAMBA_HEADS[arch])
+    model = build_tiny_host(arch, seed=1)
     insert_layers(model, kind, n_attention(model))
     perturb(model)
     x = ids(2, 12)
@@ -785,7 +781,7 @@ def test_cuda_trained_layers_move_to_cpu_and_back(tmp_path, kind):
     from llm_surgery.host_kernels import keep_cpu_convolutions_in_torch
 
     keep_cpu_convolutions_in_torch()  # with causal-conv1d installed, the host's CPU reference needs it
-    build_tiny_host("granite", seed=1, **EIGHT_MAMBA_HEADS["granite"]).save_pretrained(tmp_path / "host")
+    build_tiny_host("granite", seed=1).save_pretrained(tmp_path / "host")
     hosts = {"granite": tmp_path / "host"}
     gpu = insert_layers(load_host(hosts, "granite", torch.bfloat16).cuda(), kind, 2)
     perturb(gpu, std=0.5)

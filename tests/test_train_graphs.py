@@ -158,9 +158,8 @@ def tiny_host_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("host")
     tok = build_box_tokenizer()
-    # 8 Mamba heads: the in_proj rows stay a multiple of 8, which causal-conv1d's channel-last kernel needs
-    build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=len(tok), pattern="M*M*", mamba_chunk_size=64,
-                    mamba_n_heads=8, mamba_d_head=16).save_pretrained(path)
+    build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=len(tok), pattern="M*M*",
+                    mamba_chunk_size=64).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

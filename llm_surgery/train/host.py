@@ -31,7 +31,7 @@ from .config import UsageError
 from .messages import logger
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PRETRAIN_VERSION = 1  # bump when pretrain_host changes what it produces
+PRETRAIN_VERSION = 2  # bump when pretrain_host changes what it produces
 TINY_HOST = {"hidden_size": 64, "pattern": "M*M*M*M*", "mamba_chunk_size": 64}
 MEMORY_HEADROOM = 2.0  # a host's weights may take at most 1/2 of a process's memory (the rest: activations etc.)
 
