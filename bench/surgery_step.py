@@ -15,6 +15,9 @@ fla's layers, our pd_scan CUDA) where available.
     PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
     python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
 
+`--rounds R` times the kinds R times in turn (mamba2, pdssm, mamba2, pdssm, ...) in one process and reports each
+kind's median step: the step is mostly the host, whose time drifts between machines and over minutes by more
+than the kinds differ, so kinds timed back to back in one round compare better than kinds timed minutes apart.
 `--profile N` adds, per kind, torch.profiler's N ops with the most self device time over one more step, and the
 step's wall time beside the sum of its kernels' times: a step whose kernels fill much less than its wall time is
 bound by the host issuing them, not by the GPU.
@@ -138,6 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     ap.add_argument("--kinds", default="mamba2,deltanet,pdssm")
+    ap.add_argument("--rounds", type=int, default=1, help="time the kinds this many times in turn (median reported)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--check-host", default="granite-4.0-h-350m")
     ap.add_argument("--check-layers", type=int, default=14)
@@ -171,38 +175,49 @@ def main(argv=None) -> None:
         model = build_host(args.host, device=args.device, dtype=torch.bfloat16, num_hidden_layers=args.layers)
         print(f"host {args.host} ({len(model.model.layers)} layers, attention at {attention_layers(model.model)}) "
               f"built in {time.perf_counter() - t0:.1f}s", flush=True)
-    for kind in kinds:  # kind by kind, so that a run cut short still reports whole kinds
-        try:
-            r = cuda_vs_cpu(kind, args)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other kinds
-            r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
-        print(json.dumps(r), flush=True)
-        results["check"].append(r)
-        if model is None:
-            continue
-        try:
-            r = train_steps(model, kind, args)
-        except Exception as exc:  # noqa: BLE001
-            r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
-            if inserted_layers(model):
-                remove_inserted(model)
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
-        print(json.dumps(r), flush=True)
-        results["train"].append(r)
+    for rnd in range(args.rounds):
+        for kind in kinds:  # kind by kind, so that a run cut short still reports whole kinds
+            if rnd == 0:
+                try:
+                    r = cuda_vs_cpu(kind, args)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the other kinds
+                    r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(json.dumps(r), flush=True)
+                results["check"].append(r)
+            if model is None:
+                continue
+            try:
+                r = train_steps(model, kind, args)
+            except Exception as exc:  # noqa: BLE001
+                r = {"kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                if inserted_layers(model):
+                    remove_inserted(model)
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.empty_cache()
+            print(json.dumps({"round": rnd, **r}), flush=True)
+            results["train"].append(r)
 
     L = args.layers or "all"
+    rounds = f", {args.rounds} rounds in turn, the median round" if args.rounds > 1 else ""
     print(f"\n### Training step: {args.host} ({L} layers), bf16, batch {args.batch} x {args.seq} tokens, "
-          f"fwd+bwd+AdamW, {args.steps} timed steps\n")
-    print("| kind | inserted | inserted params (share) | first step s | step s | tokens/s | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in results["train"]:
-        if "error" in r:
-            print(f"| {r['kind']} | error: {r['error'][:120]} | | | | | |")
-        else:
-            print(f"| {r['kind']} | {r['n']} | {r['inserted_params'] / 1e6:.1f}M "
-                  f"({100 * r['inserted_params'] / r['total_params']:.2f}%) | {r['first_step_s']:.1f} | "
-                  f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} |")
+          f"fwd+bwd+AdamW, {args.steps} timed steps{rounds}\n")
+    print("| kind | inserted | inserted params (share) | first step s | step s | tokens/s | peak GiB | "
+          "rounds' step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for kind in kinds:
+        runs = [r for r in results["train"] if r["kind"] == kind]
+        errors = [r for r in runs if "error" in r]
+        if errors:
+            print(f"| {kind} | error: {errors[0]['error'][:120]} | | | | | | |")
+            continue
+        if not runs:
+            continue
+        r = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]   # the median round (lower middle)
+        each = " / ".join(f"{x['step_s']:.3f}" for x in runs)
+        print(f"| {kind} | {r['n']} | {r['inserted_params'] / 1e6:.1f}M "
+              f"({100 * r['inserted_params'] / r['total_params']:.2f}%) | {runs[0]['first_step_s']:.1f} | "
+              f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
+              f"{each} |")
     print(f"\n### {args.device} vs CPU logits: {args.check_host} ({args.check_layers} layers), float32, "
           f"2 x {args.check_seq} tokens, inserted out_proj ~ N(0, 0.02)\n")
     print("| kind | inserted | relative error | max abs error | inserted layers' effect on logits (relative) |")
