@@ -6,8 +6,9 @@ forward-only time, peak memory, and (--decode) one-token decode steps.
 Layers (--kinds; all built in bf16, train mode, parameter-matched through the libraries' own knobs):
   pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `backend="torch"`;
                   pdssm-one: its middle as one kernel per (sequence, head) at every length, ops/pd_select/triton_middle.py)
-  fla-deltanet    fla.layers.DeltaNet(num_heads=14, expand_k=expand_v=1.75) at width 1024 (7.38M vs 7.48M);
-                  at other widths expand 1.75 and heads = width * 1.75 / 128
+  fla-deltanet    fla.layers.DeltaNet with key/value heads of 128 (expand_k = expand_v = heads * 128 / width), the
+                  head count whose parameters come nearest the pdssm layer's (with --pdssm-options): at width 1024
+                  14 heads, expand 1.75 (7.38M vs 7.48M)
   mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
                   (mamba_split_conv1d_scan_combined) when causal-conv1d is importable, else use_mem_eff_path=False
                   (nn.Conv1d + the Triton chunk scan); the label says which
@@ -59,6 +60,30 @@ def import_mamba2():
     return mamba2
 
 
+def deltanet(width: int, heads: int, device):
+    """fla's DeltaNet with `heads` key/value heads of 128 (fla's models' head size)."""
+    from fla.layers import DeltaNet
+    expand = heads * 128 / width
+    with device:
+        layer = DeltaNet(hidden_size=width, num_heads=heads, expand_k=expand, expand_v=expand, mode="chunk")
+    if (layer.key_dim, layer.value_dim) != (heads * 128, heads * 128):   # fla rounds width * expand down
+        raise ValueError(f"DeltaNet at width {width}: {heads} heads of 128 not representable by expand {expand}")
+    return layer
+
+
+def deltanet_heads(width: int, pdssm_options: dict | None) -> int:
+    """The DeltaNet head count whose parameter count is nearest the pdssm layer's (counted on the meta device)."""
+    from llm_surgery.layers.registry import build_mixer
+
+    def count(m):
+        return sum(p.numel() for p in m.parameters())
+    with torch.device("meta"):
+        target = count(build_mixer("pdssm", width, **(pdssm_options or {})))
+    meta = torch.device("meta")
+    c1, c2 = count(deltanet(width, 1, meta)), count(deltanet(width, 2, meta))   # affine in the head count
+    return max(1, round(1 + (target - c1) / (c2 - c1)))
+
+
 def build(kind: str, width: int, pdssm_options: dict | None = None):
     """(label, module) for one --kinds entry; pdssm_options: FlashPDSSM options over the registry's defaults."""
     torch.manual_seed(0)
@@ -70,10 +95,9 @@ def build(kind: str, width: int, pdssm_options: dict | None = None):
                                 "pdssm-one": " (one kernel per sequence and head at every length)"}[kind]
         label += f" {json.dumps(pdssm_options)}" if pdssm_options else ""
     elif kind == "fla-deltanet":
-        from fla.layers import DeltaNet
-        heads = 14 * width // 1024
-        layer = DeltaNet(hidden_size=width, num_heads=heads, expand_k=1.75, expand_v=1.75, mode="chunk")
-        label = f"fla DeltaNet(heads={heads}, expand 1.75)"
+        heads = deltanet_heads(width, pdssm_options)
+        layer = deltanet(width, heads, torch.device("cpu"))
+        label = f"fla DeltaNet(heads={heads}, expand {heads * 128 / width:.4g})"
     elif kind == "mamba2":
         m2 = import_mamba2()
         from mamba_ssm.ops.triton import ssd_combined
@@ -185,7 +209,8 @@ def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
 
 
 def profile(kind, args) -> None:
-    """Where one fwd+bwd of a layer spends its GPU time (the first batch and length given)."""
+    """Where one fwd+bwd (--profile-forward: one forward) of a layer spends its GPU time (the first batch and length
+    given)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     label, layer = build(kind, args.width, args.pdssm_options)
@@ -198,9 +223,12 @@ def profile(kind, args) -> None:
     g = torch.randn_like(x)
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, one_kernel(kind == "pdssm-one"):
         for _ in range(3):
-            first(layer(x)).backward(g)
+            out = first(layer(x))
+            if not args.profile_forward:
+                out.backward(g)
+            del out
         torch.cuda.synchronize()
-    print("(3 steps; divide by 3 for one)")
+    print(f"(3 {'forwards' if args.profile_forward else 'steps'}; divide by 3 for one)")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
@@ -221,6 +249,7 @@ def main():
     ap.add_argument("--pdssm-options", type=json.loads, default=None,
                     help='FlashPDSSM options over the registry defaults, a JSON object, e.g. \'{"dict_size": 32}\'')
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
+    ap.add_argument("--profile-forward", action="store_true", help="with --profile: the forward alone")
     ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
     args = ap.parse_args()
     if args.pdssm_slice_mib:
