@@ -106,8 +106,10 @@ def profile_step(step, kind: str, args) -> str:
     wall = (time.perf_counter() - t0) * 1e3
     events = prof.key_averages()
     head = f"\n#### {kind}: one profiled step, wall {wall:.1f} ms"
-    if cuda:
-        head += f", kernels {sum(e.self_device_time_total for e in events) / 1e3:.1f} ms"
+    if cuda:   # the kernels' own rows (the ops that launch them repeat their time)
+        kernels = sum(e.self_device_time_total for e in events
+                      if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+        head += f", kernels {kernels / 1e3:.1f} ms"
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return head + "\n\n" + events.table(sort_by=sort_by, row_limit=args.profile)
 
