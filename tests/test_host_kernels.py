@@ -72,6 +72,18 @@ def test_host_on_cuda_matches_reference():
     torch.testing.assert_close(model(ids).logits, ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("arch", ["granite", "nemotron"])
+@pytest.mark.parametrize("hidden_size", [32, 64, 128])
+def test_tiny_hosts_suit_causal_conv1d(arch, hidden_size):
+    """causal-conv1d's channel-last kernel (the hosts' CUDA path where it is installed) needs the Mamba in_proj rows
+    and the convolution's channels in multiples of 8, as every real host has them: so must the tiny hosts."""
+    model = build_tiny_host(arch, hidden_size=hidden_size)
+    rows = [m.out_features for n, m in model.named_modules() if n.endswith("in_proj")]
+    channels = [m.weight.shape[0] for n, m in model.named_modules() if n.endswith("conv1d")]
+    assert rows and channels
+    assert all(r % 8 == 0 for r in rows + channels), (rows, channels)
+
+
 def test_cpu_convolutions_go_to_torch_where_causal_conv1d_is_installed(monkeypatch):
     """With causal-conv1d importable, transformers' decorated causal_conv1d_fn calls its CUDA kernel for any tensor;
     after routing, a CPU tensor reaches the torch function the decorator wraps and a CUDA one the package."""
