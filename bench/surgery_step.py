@@ -196,7 +196,8 @@ def main(argv=None) -> None:
                     remove_inserted(model)
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
-            print(json.dumps({"round": rnd, **r}), flush=True)
+            r = {"round": rnd, **r}
+            print(json.dumps(r), flush=True)
             results["train"].append(r)
 
     L = args.layers or "all"
