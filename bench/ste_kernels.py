@@ -33,17 +33,26 @@ def main():
     args = ap.parse_args()
     import triton
 
-    from llm_surgery.ops.pd_scan import cuda as scan_cuda
-    from llm_surgery.ops.pd_select.function import dictionary_grad, selector_grad
-    from llm_surgery.ops.pd_select.triton_ste import selector_on_tensor_cores, ste_grads_triton
-    from llm_surgery.ops.pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
-
     B, L, H, N, K = args.batch, args.length, args.heads, args.state, args.members
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     print(f"# fused-backward kernels, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}, {datetime.date.today()}; B={B} L={L} H={H} N={N} K={K}")
     planes = [torch.randn(B, H, L, N, device=dev, generator=g) for _ in range(6)]
+    print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
+    if not args.readout_only:
+        sum_rows(B, L, H, N, K, planes, g)
+    readout_rows(B, L, H, N, planes, g)
+    if not args.readout_only:
+        scale_rows(B, L, H, N, K, planes, g)
+
+
+def sum_rows(B, L, H, N, K, planes, g):
+    """The straight-through sums: the selector kernel (gathers and tensor cores) and the dictionary kernel (uniform
+    and skewed selections) per launch configuration, each checked against the torch path."""
+    from llm_surgery.ops.pd_select.function import dictionary_grad, selector_grad
+    from llm_surgery.ops.pd_select.triton_ste import selector_on_tensor_cores, ste_grads_triton
+    dev = "cuda"
     lam, D, x = (planes[0], planes[1]), (planes[2], planes[3]), (planes[4], planes[5])
     x0 = (torch.randn(B, H, N, device=dev, generator=g), torch.randn(B, H, N, device=dev, generator=g))
     kstar = torch.randint(0, K, (B, H, L), device=dev, generator=g)
@@ -57,8 +66,7 @@ def main():
     skewed[..., : L * 9 // 10] = 3           # one member takes 90% of every head's tokens (as early in training)
     G_skew = dictionary_grad(skewed, lam_c, dx, K)
     del x_prev, dx
-    print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
-    for tile in () if args.readout_only else (1024, 2048, 4096):
+    for tile in (1024, 2048, 4096):
         for warps in (1, 2, 4):
             for repeat in (1, 8, 32):
                 cfg = {"tile": tile, "num_warps": warps, "repeat": repeat}
@@ -68,26 +76,25 @@ def main():
                 err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
                 print(f"| selector | tile {tile}, {warps} warps, {repeat} blocks per program | {timed(run):.3f} | "
                       f"{err:.1e} |", flush=True)
-    if not args.readout_only:
-        if selector_on_tensor_cores(N, "tf32"):
-            for block_t in (64, 128):
-                for rows in (2, 4, 8):
-                    for warps in (4, 8):
-                        for bf16 in (False, True):
-                            cfg = {"block_t": block_t, "rows": rows, "num_warps": warps, "repeat": 1, "bf16": bf16}
-                            run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
-                                                           selector_config=cfg, parts=("selector",), precision="tf32")
-                            try:
-                                r = run()[1]
-                            except Exception as e:  # e.g. out of shared memory at the largest tiles
-                                print(f"| selector, tensor cores | {cfg} | failed: {type(e).__name__} | - |")
-                                continue
-                            err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
-                            print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, "
-                                  f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
-        else:   # ste_grads_triton runs the gathers there, whatever config it is given
-            print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
-    for name, ks in () if args.readout_only else (("uniform", kstar), ("skewed", skewed)):
+    if selector_on_tensor_cores(N, "tf32"):
+        for block_t in (64, 128):
+            for rows in (2, 4, 8):
+                for warps in (4, 8):
+                    for bf16 in (False, True):
+                        cfg = {"block_t": block_t, "rows": rows, "num_warps": warps, "repeat": 1, "bf16": bf16}
+                        run = lambda: ste_grads_triton(P_dict, kstar, lam, D, x, x0, None, K,  # noqa: E731
+                                                       selector_config=cfg, parts=("selector",), precision="tf32")
+                        try:
+                            r = run()[1]
+                        except Exception as e:  # e.g. out of shared memory at the largest tiles
+                            print(f"| selector, tensor cores | {cfg} | failed: {type(e).__name__} | - |")
+                            continue
+                        err = ((r - r_ref).abs().max() / r_ref.abs().max()).item()
+                        print(f"| selector, tensor cores ({'bf16' if bf16 else 'tf32'}) | {block_t} tokens, "
+                              f"{rows} rows of Q, {warps} warps | {timed(run):.3f} | {err:.1e} |", flush=True)
+    else:   # ste_grads_triton runs the gathers there, whatever config it is given
+        print(f"| selector, tensor cores | - | not run at N={N}: the layer keeps the gathers there | - |")
+    for name, ks, ref in (("uniform", kstar, G_ref), ("skewed", skewed, G_skew)):
         for seg in (128, 256, 512):
             for bt in (32, 64):
                 for warps in (4, 8):
@@ -95,18 +102,26 @@ def main():
                     run = lambda: ste_grads_triton(P_dict, ks, lam, D, x, x0, None, K,  # noqa: E731
                                                    dictionary_config=cfg, parts=("dictionary",))
                     G = run()[0]
-                    ref = G_ref if name == "uniform" else G_skew
                     err = ((G - ref).abs().max() / ref.abs().max()).item()
                     print(f"| dictionary ({name} selection) | seg {seg}, block {bt}, {warps} warps | "
                           f"{timed(run):.3f} | {err:.1e} |", flush=True)
-    readout_rows(B, L, H, N, planes, g)
+
+
+def scale_rows(B, L, H, N, K, planes, g):
+    """For scale: the pd_transition kernels, the split-plane scan and a copy of one float32 plane."""
+    from llm_surgery.ops.pd_scan import cuda as scan_cuda
+    from llm_surgery.ops.pd_transition.triton_fused import transition_bwd_triton, transition_fwd_triton
+    dev = "cuda"
+    P_dict = torch.randint(0, N, (H, K, N), device=dev, generator=g).to(torch.int16)
+    r = torch.randn(B, H, L, K, device=dev, generator=g)
     proj = torch.randn(B, L, H, K + 2 * N, device=dev, generator=g).to(torch.bfloat16)
     bias = torch.randn(H * N, device=dev, generator=g)
     D_re, D_im, ks, P = transition_fwd_triton(proj, bias, P_dict, K, N)
     print(f"| transition fwd | - | {timed(lambda: transition_fwd_triton(proj, bias, P_dict, K, N)):.3f} | - |")
-    print(f"| transition bwd | - | {timed(lambda: transition_bwd_triton(proj, bias, D_re, D_im, r_ref, 1.0, K, N)):.3f} | - |")
+    bwd = timed(lambda: transition_bwd_triton(proj, bias, D_re, D_im, r, 1.0, K, N))   # D's planes as dL/dD
+    print(f"| transition bwd | - | {bwd:.3f} | - |")
     b_re, b_im = planes[0], planes[1]
-    x0c = x0_c.contiguous()
+    x0c = torch.complex(torch.randn(B, H, N, device=dev, generator=g), torch.randn(B, H, N, device=dev, generator=g))
     print(f"| scan fwd (split planes) | - | "
           f"{timed(lambda: scan_cuda.pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0c)):.3f} | - |")
     xr, xi = scan_cuda.pd_scan_fwd_cuda_split(P, D_re, D_im, b_re, b_im, x0c)
