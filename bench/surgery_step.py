@@ -15,7 +15,7 @@ fla's layers, our pd_scan CUDA) where available.
     PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
     python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
 
-`--rounds R` times the kinds R times in turn (mamba2, pdssm, mamba2, pdssm, ...) in one process and reports each
+`--rounds R` times the kinds R times in turn (mamba2, pdssm, pdssm, mamba2, ...) in one process and reports each
 kind's median step: the step is mostly the host, whose time drifts between machines and over minutes by more
 than the kinds differ, so kinds timed back to back in one round compare better than kinds timed minutes apart.
 `--profile N` adds, per kind, torch.profiler's N ops with the most self device time over one more step, and the
@@ -178,7 +178,9 @@ def main(argv=None) -> None:
         print(f"host {args.host} ({len(model.model.layers)} layers, attention at {attention_layers(model.model)}) "
               f"built in {time.perf_counter() - t0:.1f}s", flush=True)
     for rnd in range(args.rounds):
-        for kind in kinds:  # kind by kind, so that a run cut short still reports whole kinds
+        # kind by kind, so that a run cut short still reports whole kinds; every other round in reverse order
+        # (A B B A ...), so that a drift over the run does not favour the kind timed first
+        for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
             if rnd == 0:
                 try:
                     r = cuda_vs_cpu(kind, args)
