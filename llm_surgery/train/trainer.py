@@ -504,8 +504,20 @@ def _finish(r: _Run) -> dict:
     if acc.is_main_process:
         _write_results(r, results)
     acc.wait_for_everyone()
+    _release_model(r)
     acc.end_training()
     return results
+
+
+def _release_model(r: _Run) -> None:
+    """Drop the prepared (DDP / FSDP) model while the process group is still registered. DDP's C++ reducer holds a
+    reference to the group: freed after `end_training`, it would drop the group's last reference under the GIL,
+    and the gloo group's destructor then joins a worker thread that waits for the GIL to free the tensors of its
+    last collectives (a 2-process CPU run hung so at exit, after writing its results)."""
+    acc = r.accelerator
+    r.model = acc.unwrap_model(r.model)
+    r.graphed = r.optimizer = r.scheduler = None
+    acc.free_memory()   # the accelerator's own references to what it prepared, then a garbage collection
 
 
 def _throughput(r: _Run) -> dict:
