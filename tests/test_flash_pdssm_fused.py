@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from interpreter import require_interpreter_kernels
 
 GATES = (None, "sigmoid", "hard", "decay", "off")
 # the layer's options against length drift, with the gates they interact with (decay: 1 - |D| under the snap)
@@ -166,12 +167,6 @@ def _run_interpreted(cases, one_kernel, sizes, dtype="float32"):
     return worst, planes
 
 
-def _interpreter_runs_kernels():
-    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):  # e.g. a GPU image's 3.6: its CUDA tests
-        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
-
-
 # (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
 # drift option; odd sizes (N = 20, K = 5: not powers of two) run a subset
 INTERPRETED = [
@@ -185,7 +180,7 @@ INTERPRETED = [
 def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
     """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences).
     A float32 layer keeps float32 planes, so both paths agree to float32 precision."""
-    _interpreter_runs_kernels()
+    require_interpreter_kernels()
     worst, planes = _run_interpreted(cases or ALL_CASES, one_kernel, sizes)
     _assert_close(worst, 1e-5)
     assert planes == (set() if one_kernel else {("torch.float32", "torch.float32", "torch.float32")})
@@ -194,7 +189,7 @@ def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
 def test_fused_path_bf16_planes_interpreted():
     """A bf16 layer's separate kernels under the interpreter: b, x and the gradients' planes in bfloat16 with D in
     float32 (pd_scan's mixed form) agree with the torch path to bf16 precision (the CUDA test's bound)."""
-    _interpreter_runs_kernels()
+    require_interpreter_kernels()
     worst, planes = _run_interpreted([(None, {}), ("decay", {})], False, {}, "bfloat16")
     _assert_close(worst, 5e-2)
     assert planes == {("torch.float32", "torch.bfloat16", "torch.bfloat16")}

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+from interpreter import require_interpreter_kernels
 
 from llm_surgery.ops.pd_select import column_argmax, gather_transitions, pd_select_scan, pd_select_scan_dense
 from llm_surgery.ops.pd_scan import pd_scan_naive
@@ -82,9 +83,7 @@ def test_selector_sum_on_tensor_cores_interpreted(dtype):
     """The TF32 form of the selector sum (the tokens' outer products times the members' indicator matrices,
     `triton_ste._selector_dot_kernel`) equals the gather form's maths under Triton's interpreter, where its products
     are exact: odd sizes, padding, an initial state, several token blocks and Q-row chunks per program."""
-    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+    require_interpreter_kernels()
     code = textwrap.dedent("""
         import torch
         from llm_surgery.ops.pd_select.function import selector_grad
@@ -115,9 +114,7 @@ def test_straight_through_sums_read_bf16_planes_as_float32_interpreted():
     """The fused backward hands the straight-through sums bfloat16 lam and x planes (float32 D): both sums, in both
     selector forms, equal the sums over float32 copies of the same values (every load widened before any
     arithmetic), under Triton's interpreter."""
-    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+    require_interpreter_kernels()
     code = textwrap.dedent("""
         import torch
         from llm_surgery.ops.pd_select.triton_ste import ste_grads_triton
