@@ -9,11 +9,14 @@ Layers (--kinds; all built in bf16, train mode, parameter-matched through the li
   fla-deltanet    fla.layers.DeltaNet with key/value heads of 128 (expand_k = expand_v = heads * 128 / width), the
                   head count whose parameters come nearest the pdssm layer's (with --pdssm-options): at width 1024
                   14 heads, expand 1.75 (7.38M vs 7.48M)
-  mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2): the fused training path
-                  (mamba_split_conv1d_scan_combined) when causal-conv1d is importable, else use_mem_eff_path=False
-                  (nn.Conv1d + the Triton chunk scan); the label says which
+  mamba2          mamba_ssm.modules.mamba2.Mamba2(d_state=128, headdim=64, expand=2) at its defaults (one B/C
+                  group: 12% fewer parameters than the pdssm layer at width 1024, 24% at 2048): the fused training
+                  path (mamba_split_conv1d_scan_combined) when causal-conv1d is importable, else
+                  use_mem_eff_path=False (nn.Conv1d + the Triton chunk scan); the label says which
   lib-mamba2 / lib-deltanet   mamba-ssm's Mamba2 / fla's DeltaNet alone, at the shapes the registry gives the
-                  project's kinds (`library_options()` of the mixer: the same layer the kind runs on CUDA)
+                  project's kinds (`library_options()` of the mixer: the same layer the kind runs on CUDA).
+                  lib-mamba2 is the parameter-matched Mamba2: the same module with as many B/C groups as bring its
+                  count nearest the pdssm layer's (4 at width 1024: 7.39M vs 7.48M; 16 at 2048: 33.73M vs 33.84M)
   block-mamba2 / block-deltanet   the project's kinds `mamba2` / `deltanet` (layers/registry.py), which run those
                   library layers on their own parameters: compare with lib-*
 Time: median of CUDA-event timings after warm-up (the first calls compile and run the Triton autotuners in full

@@ -7,7 +7,8 @@ configs come from this table.
 Rows: the selector kernel (r) per tile size x warps, in its gather form (float32 layers) and its tensor-core form
 (TF32: half-precision layers), the dictionary kernel (G) per segment x token block x warps, the readout's and the
 injection's backward (ops/pd_select/triton_readout.py) per token block x blocks per program x warps
-(`--readout-only`: those alone), and for scale the pd_transition kernels and the split-plane scan. Each is checked
+(`--readout-only`: those alone), and for scale the pd_transition kernels and the split-plane scan; `--norm-only`:
+the gated RMSNorm's backward per tile x warps (rows B*L x heads*head-dim in groups of head-dim). Each is checked
 before it is timed (median of CUDA-event timings): the sums against the torch path (float32), the readout's and
 injection's configs against the default config's result. Kernels this short read high here (launch gaps count);
 A/B a config in the layer before taking it.
@@ -29,7 +30,9 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--state", type=int, default=32)
     ap.add_argument("--members", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=32, help="entries per head of u (the gated norm's group)")
     ap.add_argument("--readout-only", action="store_true", help="only the readout's and injection's backward rows")
+    ap.add_argument("--norm-only", action="store_true", help="only the gated norm's backward rows")
     args = ap.parse_args()
     import triton
 
@@ -40,6 +43,9 @@ def main():
           f"{triton.__version__}, {datetime.date.today()}; B={B} L={L} H={H} N={N} K={K}")
     planes = [torch.randn(B, H, L, N, device=dev, generator=g) for _ in range(6)]
     print("\n| kernel | config | ms | max rel err |\n|---|---|---|---|")
+    if args.norm_only:
+        norm_rows(B * L, H * args.head_dim, args.head_dim, g)
+        return
     if not args.readout_only:
         sum_rows(B, L, H, N, K, planes, g)
     readout_rows(B, L, H, N, planes, g)
@@ -105,6 +111,26 @@ def sum_rows(B, L, H, N, K, planes, g):
                     err = ((G - ref).abs().max() / ref.abs().max()).item()
                     print(f"| dictionary ({name} selection) | seg {seg}, block {bt}, {warps} warps | "
                           f"{timed(run):.3f} | {err:.1e} |", flush=True)
+
+
+def norm_rows(R, d, group, g):
+    """The gated RMSNorm's backward (layers/block_kernels.py) per tile x warps on [R, d] bf16 rows in groups of
+    `group`, each checked against the whole-row tile (the former launch), beside its forward for scale."""
+    from llm_surgery.layers import block_kernels as bk
+    xz = torch.randn(R, 2 * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    x, z = xz[:, :d], xz[:, d:]
+    w = torch.randn(d, device="cuda", dtype=torch.bfloat16, generator=g)
+    go = torch.randn(R, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    print(f"| gated norm fwd, rows {R} x {d}, groups of {group} | - | "
+          f"{timed(lambda: bk.gated_norm_fwd(x, z, w, group, 1e-6)):.4f} | - |")
+    ref = bk.gated_norm_bwd(x, z, w, go, group, 1e-6, config={"tile": 4096, "num_warps": 4})
+    for tile in (512, 1024, 2048, 4096):
+        for warps in (2, 4, 8):
+            cfg = {"tile": tile, "num_warps": warps}
+            out = bk.gated_norm_bwd(x, z, w, go, group, 1e-6, config=cfg)
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+            ms = timed(lambda: bk.gated_norm_bwd(x, z, w, go, group, 1e-6, config=cfg))
+            print(f"| gated norm bwd | tile {tile}, {warps} warps | {ms:.4f} | {err:.1e} |", flush=True)
 
 
 def scale_rows(B, L, H, N, K, planes, g):

@@ -49,6 +49,9 @@ def _compare(device: str, dtype=torch.float32, direct: bool = False):
         out.backward(go)
         dx, dz, dw = xx.grad, zz.grad, norm.weight.grad
     rel.update(norm_out=r(out, ref), norm_dx=r(dx, xr.grad), norm_dz=r(dz, zr.grad), norm_dw=r(dw, wr.grad))
+    if direct:   # the backward with groups split over programs (2 groups a tile: the last block half empty)
+        dx, dz, dw = bk.gated_norm_bwd(x, z, norm.weight, go, gs, norm.eps, config={"tile": 64, "num_warps": 1})
+        rel.update(norm_dx_split=r(dx, xr.grad), norm_dz_split=r(dz, zr.grad), norm_dw_split=r(dw, wr.grad))
 
     # conv + SiLU: x a strided half of a projection, L not a multiple of the kernels' row block
     B, L, C, W = 3, 77, 160, 4

@@ -43,8 +43,10 @@ def _gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, NG, GS, sx, sz, eps,
 @triton.jit
 def _gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, go_ptr, dx_ptr, dz_ptr, dw_ptr, R, NG, GS, sx, sz, sgo, eps,
                            ROWS_PER_PROG, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: ROWS_PER_PROG rows x BLOCK_G groups (program_id 1 picks the groups: each group's norm is its
+    own), BLOCK_R rows at a time; dw's partial sums go to the program's own row of dw_ptr."""
     pid = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_S)
     gj = (g[:, None] < NG) & (j[None, :] < GS)
     w = tl.load(w_ptr + g[:, None] * GS + j[None, :], mask=gj, other=0.0).to(tl.float32)
@@ -88,21 +90,35 @@ def gated_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     return out
 
 
-def gated_norm_bwd(x, z, weight, grad_out, group_size: int, eps: float):
-    """(dx, dz, dweight) of `gated_norm_fwd`; dweight summed over rows in float32, returned in weight's dtype."""
+# the backward's tile (rows x groups x entries per step) and warps. A whole row in one tile (4096 entries, as the
+# forward) took 0.45 / 0.47 / 0.95 ms at R x d = 2048 x 2560 (groups of 40) / 65536 x 1024 / 65536 x 2048 (groups
+# of 32), this config 0.14 / 0.38 / 0.59 (bf16, one H100; `bench/ste_kernels.py --norm-only`,
+# docs/bench/data/gated_norm_bwd_h100_2026-11-28.md)
+NORM_BWD_CONFIG = {"tile": 1024, "num_warps": 8}
+
+
+def gated_norm_bwd(x, z, weight, grad_out, group_size: int, eps: float, config: dict | None = None):
+    """(dx, dz, dweight) of `gated_norm_fwd`; dweight summed over rows in float32, returned in weight's dtype.
+    config: NORM_BWD_CONFIG's shape (benchmarks sweep it)."""
+    cfg = NORM_BWD_CONFIG if config is None else config
     R, d = x.shape
+    ng = d // group_size
     dx = torch.empty(R, d, device=x.device, dtype=x.dtype)
     dz = torch.empty(R, d, device=x.device, dtype=z.dtype)
-    br, bg, bs = _norm_launch(d, group_size)
+    bs = triton.next_power_of_2(group_size)
+    bg = min(triton.next_power_of_2(ng), max(1, cfg["tile"] // bs))
+    br = max(1, cfg["tile"] // (bs * bg))
+    group_blocks = triton.cdiv(ng, bg)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    progs = max(1, min(triton.cdiv(R, br), 4 * sms))
+    progs = max(1, min(triton.cdiv(R, br), triton.cdiv(8 * sms, group_blocks)))
     rows = triton.cdiv(triton.cdiv(R, progs), br) * br
     progs = triton.cdiv(R, rows) if R else 1
     dw = torch.zeros(progs, d, device=x.device, dtype=torch.float32)
     if R:
-        _gated_norm_bwd_kernel[(progs,)](x, z, weight, grad_out, dx, dz, dw, R, d // group_size, group_size,
-                                         x.stride(0), z.stride(0), grad_out.stride(0), eps, rows, BLOCK_R=br,
-                                         BLOCK_G=bg, BLOCK_S=bs, num_warps=4)
+        _gated_norm_bwd_kernel[(progs, group_blocks)](x, z, weight, grad_out, dx, dz, dw, R, ng, group_size,
+                                                      x.stride(0), z.stride(0), grad_out.stride(0), eps, rows,
+                                                      BLOCK_R=br, BLOCK_G=bg, BLOCK_S=bs,
+                                                      num_warps=cfg["num_warps"])
     return dx, dz, dw.sum(0).to(weight.dtype)
 
 

@@ -102,7 +102,11 @@ def _gate_backward(proj, gate, g_gate, gproj, b_gate, K, N, unit_snap: float = 0
 
 class _Grads:
     """The input and weight gradients that both backwards (separate kernels, one kernel) accumulate over the
-    batch slices, in float32, and the autograd return built from them."""
+    batch slices, and the autograd return built from them. The small ones sum in float32; the x projection's
+    weight gradient, as large as the weight, sums in u's dtype through the GEMM's own accumulator (one rounding
+    a slice, as autograd's linear layer rounds once): a float32 copy cost a zero fill, a cast and an add over it
+    per slice (~0.2 ms of a 3.4 ms layer step at width 2560, B=1, by its bytes; BENCHMARKS.md, "Where the time
+    goes")."""
 
     def __init__(self, u, Wx, M, C, b_gate):
         B, dev = u.shape[0], u.device
@@ -115,7 +119,7 @@ class _Grads:
         self.C = torch.zeros(2, H, P, N, **f32)
         self.skip = torch.zeros(H, P, **f32)
         self.bias = torch.zeros(H * N, **f32)
-        self.Wx = torch.zeros(Wx.shape, **f32)
+        self.Wx = None
         self.Bw = None if b_gate == "off" else torch.zeros(2, H, N, P, **f32)
 
     def add_projection(self, sl, gproj, g_ub, u, Wu):
@@ -123,7 +127,8 @@ class _Grads:
         `g_ub`, the skip's and the injection's part."""
         b, L, d = u[sl].shape
         gp = gproj.reshape(b * L, -1)
-        self.Wx += (gp.t() @ u[sl].reshape(b * L, d)).float()
+        ub = u[sl].reshape(b * L, d)
+        self.Wx = gp.t() @ ub if self.Wx is None else self.Wx.addmm_(gp.t(), ub)
         torch.addmm(g_ub.view(b * L, d), gp, Wu, out=self.u[sl].view(b * L, d))
 
     def result(self, tau, Wx, decay_bias, M, Bw, C, D_skip):

@@ -205,8 +205,17 @@ def float_planes(t: torch.Tensor | None):
 SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
 # the tensor-core form, where products may round to TF32 (half-precision layers): tokens per block, rows of Q per
 # product, blocks per program (more run out of shared memory: the loop is software-pipelined), and bf16 operands
-# instead of TF32 (another 1-2% off the layer's step at L = 4096 and 8192; off: 8-bit mantissas)
+# instead of TF32 (another 1-2% off the layer's step at L = 4096 and 8192; off: 8-bit mantissas). From 64 members
+# on (width 2048's defaults) 128 tokens of 2 rows: 2.17 ms a call against 2.47 at B=16, L=2048, 64 heads, N=32
+# on an H100 (docs/bench/data/ste_kernels_k64_h100_2026-11-27.md), where at 32 members it is 0.69 against 0.63
+# (selector_tensor_cores_h100_2026-11-27.md there)
 SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "bf16": False}
+SELECTOR_DOT_CONFIG_WIDE = dict(SELECTOR_DOT_CONFIG, block_t=128, rows=2)   # K > 32
+
+
+def selector_dot_config(K: int) -> dict:
+    """The tensor-core selector kernel's default launch configuration for K dictionary members."""
+    return SELECTOR_DOT_CONFIG_WIDE if K > 32 else SELECTOR_DOT_CONFIG
 # the tensor-core form holds [tokens, BLOCK_N] tiles of dx and the members' [BLOCK_N, BLOCK_K] destinations in
 # registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 40 in a granite-4.0-h-micro host's layers) ptxas
 # spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
@@ -252,7 +261,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
                           SELECTOR_CONFIG if selector_config is None else selector_config)
         else:
             r = _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask,
-                              SELECTOR_DOT_CONFIG if selector_config is None else selector_config, precision)
+                              selector_dot_config(K) if selector_config is None else selector_config, precision)
     if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
                         DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
