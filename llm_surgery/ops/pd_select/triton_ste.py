@@ -212,16 +212,17 @@ SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens 
 SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "bf16": False}
 SELECTOR_DOT_CONFIG_WIDE = dict(SELECTOR_DOT_CONFIG, block_t=128, rows=2)   # K > 32
 
-
-def selector_dot_config(K: int) -> dict:
-    """The tensor-core selector kernel's default launch configuration for K dictionary members."""
-    return SELECTOR_DOT_CONFIG_WIDE if K > 32 else SELECTOR_DOT_CONFIG
 # the tensor-core form holds [tokens, BLOCK_N] tiles of dx and the members' [BLOCK_N, BLOCK_K] destinations in
 # registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 40 in a granite-4.0-h-micro host's layers) ptxas
 # spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
 # registers and none at N = K = 32), so larger states keep the gathers
 SELECTOR_DOT_MAX_BLOCK_N = 32   # bench/selector_dot_registers.py
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}   # seg: the longest piece (`_dictionary`)
+
+
+def selector_dot_config(K: int) -> dict:
+    """The tensor-core selector kernel's default launch configuration for K dictionary members."""
+    return SELECTOR_DOT_CONFIG_WIDE if K > 32 else SELECTOR_DOT_CONFIG
 
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
