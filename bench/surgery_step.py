@@ -20,7 +20,9 @@ kind's median step: the step is mostly the host, whose time drifts between machi
 than the kinds differ, so kinds timed back to back in one round compare better than kinds timed minutes apart.
 `--profile N` adds, per kind, torch.profiler's N ops with the most self device time over one more step, and the
 step's wall time beside the sum of its kernels' times: a step whose kernels fill much less than its wall time is
-bound by the host issuing them, not by the GPU.
+bound by the host issuing them, not by the GPU. `--cuda-graphs` replays each step's forward + backward from a CUDA
+graph (`llm_surgery.cuda_graphs`, gradients in flat buffers), as the trainer runs its steps on CUDA by default: the
+host's launches are then hidden and the kinds differ by their kernels' time.
 """
 
 from __future__ import annotations
@@ -62,17 +64,39 @@ def train_steps(model, kind: str, args) -> dict:
     model.train()
     x = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=args.device)
 
+    graphed = None
+    if args.cuda_graphs:   # as the trainer runs steps by default: forward + backward replayed from a CUDA graph
+        from llm_surgery.cuda_graphs import GraphedByShape
+        from llm_surgery.train.graphs import _flat_grads
+        flat = _flat_grads(params)   # the graph's backward adds into these; its addresses must not change
+
+        def forward_backward(ids):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss.detach()
+        graphed = GraphedByShape(forward_backward, name="surgery_step")
+
     def step():
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
+        if graphed is None:
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            loss.backward()
+        else:
+            loss = graphed(x)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graphed is None:
+            opt.zero_grad(set_to_none=True)
+        else:
+            for f in flat:
+                f.zero_()
         return loss
 
     t0 = time.perf_counter()
-    loss = step()  # first step: kernel builds, autotuning, optimizer state
+    loss = step()  # first step: kernel builds, autotuning, optimizer state (graphed: the eager warm-up)
     sync(args.device)
     first = time.perf_counter() - t0
+    if graphed is not None:
+        step()     # the capture, replayed at once
+        sync(args.device)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -83,13 +107,16 @@ def train_steps(model, kind: str, args) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.device(args.device).type == "cuda" else float("nan")
     if args.profile:
         print(profile_step(step, kind, args), flush=True)
-    del opt
+    graph_failed = None if graphed is None else graphed.failed
+    opt = graphed = None   # frees the optimizer state and the graph (step() refers to both)
     remove_inserted(model)
     for p in params:
         p.grad = None
     return {"kind": kind, "n": n, "inserted_params": n_ins, "total_params": n_total, "first_step_s": first,
             "step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": peak,
-            "loss": float(loss.detach().float())}
+            "loss": float(loss.detach().float()),
+            **({"cuda_graph": "captured" if graph_failed is None else f"failed, eager: {graph_failed}"}
+               if args.cuda_graphs else {})}
 
 
 def profile_step(step, kind: str, args) -> str:
@@ -153,11 +180,15 @@ def main(argv=None) -> None:
                     help="Triton autotuners keep their leanest working config (saves minutes; untuned timings)")
     ap.add_argument("--no-host-kernels", action="store_true",
                     help="leave the host's Mamba2 layers on transformers' PyTorch path")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay each step's forward + backward from a CUDA graph, as the trainer does on CUDA")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="per kind, the N ops with the most self device time over one more step (0: none)")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
+    if args.cuda_graphs and torch.device(args.device).type != "cuda":
+        raise SystemExit("--cuda-graphs needs --device cuda")
     if torch.device(args.device).type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --device cpu for a smoke run")
@@ -205,7 +236,8 @@ def main(argv=None) -> None:
     L = args.layers or "all"
     rounds = f", {args.rounds} rounds in turn, the median round" if args.rounds > 1 else ""
     print(f"\n### Training step: {args.host} ({L} layers), bf16, batch {args.batch} x {args.seq} tokens, "
-          f"fwd+bwd+AdamW, {args.steps} timed steps{rounds}\n")
+          f"fwd+bwd+AdamW{', fwd+bwd replayed from CUDA graphs' if args.cuda_graphs else ''}, {args.steps} timed "
+          f"steps{rounds}\n")
     print("| kind | inserted | inserted params (share) | first step s | step s | tokens/s | peak GiB | "
           "rounds' step s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
