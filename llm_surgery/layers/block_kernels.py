@@ -71,10 +71,14 @@ def _gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, go_ptr, dx_ptr, dz_ptr, dw_ptr, 
     tl.store(dw_ptr + pid * NG * GS + g[:, None] * GS + j[None, :], dw, mask=gj)
 
 
-def _norm_launch(d: int, group_size: int):
+def _norm_launch(d: int, group_size: int, tile: int = 4096, split_groups: bool = False):
+    """(BLOCK_R, BLOCK_G, BLOCK_S): rows x groups x entries of a tile of about `tile` entries. The forward's tile
+    holds all of a row's groups; the backward's (`split_groups`) at most a tile's worth, the rest in other programs."""
     block_s = triton.next_power_of_2(group_size)
     block_g = triton.next_power_of_2(d // group_size)
-    block_r = max(1, 4096 // (block_s * block_g))
+    if split_groups:
+        block_g = min(block_g, max(1, tile // block_s))
+    block_r = max(1, tile // (block_s * block_g))
     return block_r, block_g, block_s
 
 
@@ -105,9 +109,7 @@ def gated_norm_bwd(x, z, weight, grad_out, group_size: int, eps: float, config: 
     ng = d // group_size
     dx = torch.empty(R, d, device=x.device, dtype=x.dtype)
     dz = torch.empty(R, d, device=x.device, dtype=z.dtype)
-    bs = triton.next_power_of_2(group_size)
-    bg = min(triton.next_power_of_2(ng), max(1, cfg["tile"] // bs))
-    br = max(1, cfg["tile"] // (bs * bg))
+    br, bg, bs = _norm_launch(d, group_size, cfg["tile"], split_groups=True)
     group_blocks = triton.cdiv(ng, bg)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     progs = max(1, min(triton.cdiv(R, br), triton.cdiv(8 * sms, group_blocks)))
