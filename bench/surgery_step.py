@@ -64,26 +64,22 @@ def train_steps(model, kind: str, args) -> dict:
     model.train()
     x = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=args.device)
 
-    graphed = None
+    def forward_backward(ids):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+
+    graphed = flat = None
     if args.cuda_graphs:   # as the trainer runs steps by default: forward + backward replayed from a CUDA graph
         from llm_surgery.cuda_graphs import GraphedByShape
         from llm_surgery.train.graphs import _flat_grads
         flat = _flat_grads(params)   # the graph's backward adds into these; its addresses must not change
-
-        def forward_backward(ids):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            return loss.detach()
         graphed = GraphedByShape(forward_backward, name="surgery_step")
 
     def step():
-        if graphed is None:
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-            loss.backward()
-        else:
-            loss = graphed(x)
+        loss = forward_backward(x) if graphed is None else graphed(x)
         opt.step()
-        if graphed is None:
+        if flat is None:
             opt.zero_grad(set_to_none=True)
         else:
             for f in flat:
@@ -114,7 +110,7 @@ def train_steps(model, kind: str, args) -> dict:
         p.grad = None
     return {"kind": kind, "n": n, "inserted_params": n_ins, "total_params": n_total, "first_step_s": first,
             "step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": peak,
-            "loss": float(loss.detach().float()),
+            "loss": float(loss.float()),
             **({"cuda_graph": "captured" if graph_failed is None else f"failed, eager: {graph_failed}"}
                if args.cuda_graphs else {})}
 
