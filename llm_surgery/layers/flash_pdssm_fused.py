@@ -23,6 +23,8 @@ CUDA only: `usable(u)` says whether it can run.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -112,15 +114,17 @@ class _Grads:
         B, dev = u.shape[0], u.device
         H, K, N = M.shape[:3]
         P = C.shape[1]
-        f32 = dict(dtype=torch.float32, device=dev)
         self.u = torch.empty_like(u)
         self.x0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
-        self.G = torch.zeros(H, K, N, N, **f32)           # dictionary sums, before the softmax's Jacobian
-        self.C = torch.zeros(2, H, P, N, **f32)
-        self.skip = torch.zeros(H, P, **f32)
-        self.bias = torch.zeros(H * N, **f32)
+        # the small sums share one zeroed buffer: one fill instead of five launches (the backward is host-bound at
+        # small shapes; BENCHMARKS.md, "Host time")
+        shapes = [(H, K, N, N), (2, H, P, N), (H, P), (H * N,), (2, H, N, P) if b_gate != "off" else (0,)]
+        sizes = [math.prod(shape) for shape in shapes]
+        sums = torch.zeros(sum(sizes), dtype=torch.float32, device=dev).split(sizes)
+        # G: the dictionary sums, before the softmax's Jacobian
+        self.G, self.C, self.skip, self.bias, Bw = (t.view(shape) for t, shape in zip(sums, shapes))
+        self.Bw = None if b_gate == "off" else Bw
         self.Wx = None
-        self.Bw = None if b_gate == "off" else torch.zeros(2, H, N, P, **f32)
 
     def add_projection(self, sl, gproj, g_ub, u, Wu):
         """The projection proj = u Wx^T of batch slice `sl`: dL/dWx += dL/dproj^T u, and dL/du = dL/dproj Wx plus
@@ -197,36 +201,46 @@ class _FusedMiddle(torch.autograd.Function):
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
-        P_dict = column_argmax(M)
-        Cf, skip = C.float().contiguous(), D_skip.float().contiguous()
         precision = "ieee" if u.dtype == torch.float32 else "tf32"
         Wu = Wx.to(u.dtype)
-        Bf = Bw.float().contiguous()
         # one kernel per (sequence, head) where there are enough of them (triton_middle.py); else the separate
         # transition, injection, scan and readout kernels. States are kept only for a backward.
         one_kernel = one_kernel_pays(B, H, N, L, u.device)
         keep_states = grad or not one_kernel   # (ctx.needs_input_grad is set under no_grad too)
+        keep_proj = grad and not one_kernel and _FusedMiddle.KEEP_PROJECTION
+        proj_kept = torch.empty(B, L, H * W, dtype=u.dtype, device=u.device) if keep_proj else None
         # the one-kernel path keeps its states in float32 (its backward rebuilds the steps from them)
         planes = torch.float32 if one_kernel else _FusedMiddle.plane_dtype(u.dtype)
+        slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
+                  else _FusedMiddle._slices(B, L, H, N, K, P, W, planes.itemsize))
+
+        def project(sl):
+            b = u[sl].shape[0]
+            if keep_proj:
+                return torch.matmul(u[sl], Wu.t(), out=proj_kept[sl]).view(b, L, H, W)
+            return F.linear(u[sl], Wu).view(b, L, H, W)
+
+        # the first slice's projection is queued before the setup below: its small launches cost more host time
+        # than the GPU spends on them, and the GPU would otherwise wait for them (BENCHMARKS.md, "Host time")
+        proj = project(slices[0]) if slices else None
+        P_dict = column_argmax(M)
         x_re = torch.empty(B, H, L, N, dtype=planes, device=u.device) if keep_states else None
         x_im = torch.empty_like(x_re) if keep_states else None
         last_re = torch.empty(B, H, N, dtype=torch.float32, device=u.device)
         last_im = torch.empty_like(last_re)
-        x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
         y = torch.empty_like(u)
-        keep_proj = grad and not one_kernel and _FusedMiddle.KEEP_PROJECTION
-        proj_kept = torch.empty(B, L, H * W, dtype=u.dtype, device=u.device) if keep_proj else None
-        slices = (_FusedMiddle._slices_one_kernel(B, L, H, N, P, W, u.device) if one_kernel
-                  else _FusedMiddle._slices(B, L, H, N, K, P, W, planes.itemsize))
-        for sl in slices:
-            b = u[sl].shape[0]
-            if keep_proj:
-                proj = torch.matmul(u[sl], Wu.t(), out=proj_kept[sl]).view(b, L, H, W)
-            else:
-                proj = F.linear(u[sl], Wu).view(b, L, H, W)
+        # the parameters as the kernels read them: float32 for the one kernel, their own dtype for the others
+        if one_kernel:
+            Ck, skip, Bk = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
+            x0_re, x0_im = x0.real.contiguous(), x0.imag.contiguous()
+        else:
+            Ck, skip, Bk = C.contiguous(), D_skip.contiguous(), Bw.contiguous()
+        for i, sl in enumerate(slices):
+            if i:
+                proj = project(sl)
             m = None if mask is None else mask[sl]
             if one_kernel:
-                triton_middle.middle_fwd(proj, u[sl], Bf, Cf, skip, decay_bias, P_dict, x0_re[sl], x0_im[sl], m,
+                triton_middle.middle_fwd(proj, u[sl], Bk, Ck, skip, decay_bias, P_dict, x0_re[sl], x0_im[sl], m,
                                          b_gate, unit_snap, phase_levels,
                                          states=(x_re[sl], x_im[sl]) if keep_states else None, y=y[sl],
                                          last=(last_re[sl], last_im[sl]), precision=precision)
@@ -235,7 +249,7 @@ class _FusedMiddle(torch.autograd.Function):
             if b_gate == "off":
                 b_re, b_im = torch.zeros_like(D_re, dtype=planes), torch.zeros_like(D_im, dtype=planes)
             else:
-                b_re, b_im = injection_fwd(u[sl], Bf, precision, planes)
+                b_re, b_im = injection_fwd(u[sl], Bk, precision, planes)
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
                     b_re.mul_(gate)
@@ -246,7 +260,7 @@ class _FusedMiddle(torch.autograd.Function):
             pd_scan_fwd_cuda_split(P_t, D_re, D_im, b_re, b_im, x0[sl], out=(xr, xi),
                                    last=(last_re[sl], last_im[sl]))
             del D_re, D_im, P_t, b_re, b_im
-            readout_fwd(xr, xi, Cf, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
+            readout_fwd(xr, xi, Ck, skip, u[sl], y[sl], precision)     # y = Re(C x) + D_skip u, in u's layout
         ctx.save_for_backward(u, Wx, decay_bias, M, P_dict, Bw, x0, x_re, x_im, C, D_skip, mask, proj_kept)
         ctx.tau, ctx.b_gate, ctx.unit_snap, ctx.phase_levels = tau, b_gate, unit_snap, phase_levels
         ctx.one_kernel = one_kernel
@@ -298,7 +312,7 @@ class _FusedMiddle(torch.autograd.Function):
                 ctx.phase_levels, precision)
             del proj
             g.x0[sl] = torch.complex(gr, gi)
-            g.G += dictionary_grad_from_dx(kstar, lam, dx, K, precision)
+            dictionary_grad_from_dx(kstar, lam, dx, K, precision, into=g.G)
             del lam, dx, kstar
             g.add_projection(sl, gproj, g_ub, u, Wu)
             del gproj, g_ub
@@ -319,7 +333,7 @@ class _FusedMiddle(torch.autograd.Function):
         H, K, N = M.shape[:3]
         P = C.shape[1]
         W = Wx.shape[0] // H
-        Cf, skip, Bf = C.float().contiguous(), D_skip.float().contiguous(), Bw.float().contiguous()
+        Ck, skip, Bk = C.contiguous(), D_skip.contiguous(), Bw.contiguous()   # the kernels read them as float32
         Wu = Wx.to(u.dtype)
         g = _Grads(u, Wx, M, C, b_gate)
         for sl in _FusedMiddle._slices(B, L, H, N, K, P, W, x_re.element_size()):
@@ -327,7 +341,7 @@ class _FusedMiddle(torch.autograd.Function):
             xr, xi = x_re[sl], x_im[sl]
             b = xr.shape[0]
             gy = torch.zeros_like(u[sl]) if g_y is None else g_y[sl]                 # [b, L, H*P]
-            g_re, g_im = readout_bwd(gy, xr, xi, Cf, u[sl], g.C, g.skip, precision)
+            g_re, g_im = readout_bwd(gy, xr, xi, Ck, u[sl], g.C, g.skip, precision)
             if g_last_re is not None:
                 g_re[:, :, -1] += g_last_re[sl]
             if g_last_im is not None:
@@ -341,9 +355,8 @@ class _FusedMiddle(torch.autograd.Function):
             gb_re, gb_im = g_re, g_im
             del P_t
             # straight-through sums, then the transition's own backward
-            G_s, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
-                                      m, K, precision=precision)
-            g.G += G_s
+            _, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
+                                    m, K, precision=precision, dictionary_into=g.G)
             del D_re, D_im, kstar
             gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
                                                    unit_snap, phase_levels)
@@ -353,7 +366,7 @@ class _FusedMiddle(torch.autograd.Function):
             if b_gate != "off":
                 gate = _gate(proj, decay_bias, b_gate, K, N, unit_snap)
                 if gate is not None:
-                    b0_re, b0_im = injection_fwd(u[sl], Bf, precision)
+                    b0_re, b0_im = injection_fwd(u[sl], Bk, precision)
                     gg = gb_re * b0_re + gb_im * b0_im
                     del b0_re, b0_im
                     g_gate = gg.sum(-1, keepdim=True) if gate.shape[-1] == 1 else gg
@@ -361,9 +374,9 @@ class _FusedMiddle(torch.autograd.Function):
                     if g_bias_gate is not None:
                         g.bias += g_bias_gate
                     gb_re, gb_im = gb_re * gate, gb_im * gate
-                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bf, g.Bw, precision)
+                g_ub = injection_bwd(gb_re, gb_im, gy, u[sl], skip, Bk, g.Bw, precision)
             else:
-                g_ub = injection_bwd(None, None, gy, u[sl], skip, Bf, None, precision)
+                g_ub = injection_bwd(None, None, gy, u[sl], skip, Bk, None, precision)
             g.add_projection(sl, gproj, g_ub, u, Wu)
             del gproj, g_ub, gy
         return g.result(ctx.tau, Wx, decay_bias, M, Bw, C, D_skip)

@@ -33,6 +33,7 @@ the narrowing to int16.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -172,8 +173,10 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def _run(layout, form, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
-    """Launch one pass; returns the inclusive states [S, C, N, comps] float32 (the last chunk's is the final state)."""
+@functools.lru_cache(maxsize=1024)
+def _plan(layout, form, bwd, S, L, N, device, chunk, algo):
+    """(kernel code, chunk length, chunks, warp forward, one wave) of a launch: the same for every call of a shape,
+    so worked out once per shape (the launch is host-bound at small shapes; BENCHMARKS.md, "Host time")."""
     ext = _module()
     code = policy.algo_code(algo, N, bwd)
     props = torch.cuda.get_device_properties(device)
@@ -188,10 +191,17 @@ def _run(layout, form, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto")
             raise ValueError(f"pd_scan CUDA: chunk={T} at N={N} needs {smem} bytes of shared memory per block, "
                              f"more than this GPU's {limit}: pass a smaller chunk (or none, for the default)")
     C = -(-L // T)
+    one_wave = warp_fwd and S * C <= policy.warp_slots(ext, layout, form, N, sms)
+    return code, T, C, warp_fwd, one_wave
+
+
+def _run(layout, form, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
+    """Launch one pass; returns the inclusive states [S, C, N, comps] float32 (the last chunk's is the final state)."""
+    ext = _module()
+    code, T, C, warp_fwd, one_wave = _plan(layout, form, bwd, S, L, N, torch.device(device), chunk, algo)
     comps = 1 if layout == _REAL else 2
-    starts, one_wave = None, False
+    starts = None
     if warp_fwd:
-        one_wave = S * C <= policy.warp_slots(ext, layout, form, N, sms)
         ramp = policy.chunk_ramp(chunk, C, T, one_wave)
         starts, T = policy.chunk_starts(L, C, T, ramp, device)   # T: the longest chunk, which sizes the repair log
     # tickets, flags, and (warp forward) link flags

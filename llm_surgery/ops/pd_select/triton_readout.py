@@ -46,11 +46,11 @@ def _readout_fwd_kernel(xre_ptr, xim_ptr, c_ptr, skip_ptr, u_ptr, y_ptr, L, H, s
     x_im = tl.load(xim_ptr + xo, mask=xm, other=0.0).to(tl.float32)
     cw = c_ptr + ((h * P + p[None, :]) * N + n[:, None]) * 2                  # C[h, p, n, :] as [n, p]
     cmask = (n[:, None] < N) & (p[None, :] < P)
-    y = tl.dot(x_re, tl.load(cw, mask=cmask, other=0.0), input_precision=PRECISION)
-    y -= tl.dot(x_im, tl.load(cw + 1, mask=cmask, other=0.0), input_precision=PRECISION)
+    y = tl.dot(x_re, tl.load(cw, mask=cmask, other=0.0).to(tl.float32), input_precision=PRECISION)
+    y -= tl.dot(x_im, tl.load(cw + 1, mask=cmask, other=0.0).to(tl.float32), input_precision=PRECISION)
     pm = tm[:, None] & (p[None, :] < P)
     u = tl.load(u_ptr + _head_cols(b, t, h, p, su_b, su_l, P), mask=pm, other=0.0).to(tl.float32)
-    y += tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)[None, :] * u
+    y += tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0).to(tl.float32)[None, :] * u
     tl.store(y_ptr + _head_cols(b, t, h, p, sy_b, sy_l, P), y.to(y_ptr.dtype.element_ty), mask=pm)
 
 
@@ -66,8 +66,8 @@ def _injection_fwd_kernel(u_ptr, bw_ptr, bre_ptr, bim_ptr, L, H, su_b, su_l, N: 
     wmask = (p[:, None] < P) & (n[None, :] < N)
     xo = ((b.to(tl.int64) * H + h) * L + t[:, None]) * N + n[None, :]
     xm = tm[:, None] & (n[None, :] < N)
-    b_re = tl.dot(u, tl.load(bw, mask=wmask, other=0.0), input_precision=PRECISION)
-    b_im = tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0), input_precision=PRECISION)
+    b_re = tl.dot(u, tl.load(bw, mask=wmask, other=0.0).to(tl.float32), input_precision=PRECISION)
+    b_im = tl.dot(u, tl.load(bw + 1, mask=wmask, other=0.0).to(tl.float32), input_precision=PRECISION)
     tl.store(bre_ptr + xo, b_re.to(bre_ptr.dtype.element_ty), mask=xm)
     tl.store(bim_ptr + xo, b_im.to(bim_ptr.dtype.element_ty), mask=xm)
 
@@ -81,8 +81,8 @@ def _readout_bwd_kernel(gy_ptr, xre_ptr, xim_ptr, c_ptr, u_ptr, gre_ptr, gim_ptr
     p = tl.arange(0, BLOCK_P)
     cw = c_ptr + ((h * P + p[:, None]) * N + n[None, :]) * 2                  # C[h, p, n, :] as [p, n]
     cmask = (p[:, None] < P) & (n[None, :] < N)
-    c_re = tl.load(cw, mask=cmask, other=0.0)
-    c_im = tl.load(cw + 1, mask=cmask, other=0.0)
+    c_re = tl.load(cw, mask=cmask, other=0.0).to(tl.float32)
+    c_im = tl.load(cw + 1, mask=cmask, other=0.0).to(tl.float32)
     gc_re = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     gc_im = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     gskip = tl.zeros((BLOCK_P,), dtype=tl.float32)
@@ -118,9 +118,9 @@ def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, g
     p = tl.arange(0, BLOCK_P)
     wmask = (n[:, None] < N) & (p[None, :] < P)
     bw = bw_ptr + ((h * N + n[:, None]) * P + p[None, :]) * 2                 # B[h, n, p, :]
-    b_re = tl.load(bw, mask=wmask, other=0.0)
-    b_im = tl.load(bw + 1, mask=wmask, other=0.0)
-    skip = tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0)
+    b_re = tl.load(bw, mask=wmask, other=0.0).to(tl.float32)
+    b_im = tl.load(bw + 1, mask=wmask, other=0.0).to(tl.float32)
+    skip = tl.load(skip_ptr + h * P + p, mask=p < P, other=0.0).to(tl.float32)
     gb_re_w = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     gb_im_w = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     for r in range(REPEAT):
@@ -172,7 +172,8 @@ def _bwd_config(config, default, bn, bp):
 
 def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
     """y [b, L, H*P] (written in place, any row strides) = Re(C_h x_t) + D_skip * u_t; x planes [b, H, L, N]
-    contiguous float32 or bfloat16, C [H, P, N, 2] float32 contiguous, D_skip [H, P] float32, u [b, L, H*P]."""
+    contiguous float32 or bfloat16, C [H, P, N, 2] and D_skip [H, P] contiguous (any float dtype: read as float32,
+    so a layer's bf16 parameters need no float32 copy), u [b, L, H*P]."""
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
@@ -184,7 +185,7 @@ def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
 
 def injection_fwd(u, Bw, precision: str, dtype: torch.dtype = torch.float32):
     """The injection planes (B_h u_t) [b, H, L, N] (re, im) of `dtype` (products in float32) from u [b, L, H*P]
-    and Bw [H, N, P, 2] float32 contiguous."""
+    and Bw [H, N, P, 2] contiguous (any float dtype, read as float32)."""
     b, L = u.shape[:2]
     H, N, P = Bw.shape[:3]
     bn, bp = _blocks(N, P)

@@ -142,21 +142,30 @@ def _selector_dot_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, m
 
 
 @triton.jit
-def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, start_ptr,
-                            work_ptr, g_ptr, L, T, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
-                            K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                            SEG: tl.constexpr, PRECISION: tl.constexpr, COMPLEX: tl.constexpr,
-                            HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr, DX_GIVEN: tl.constexpr = False):
-    item = tl.program_id(0)          # one work item = one SEG-token piece of one (head, member) group
+def _dictionary_grad_kernel(lam_re, lam_im, d_re, d_im, x_re, x_im, x0_re, x0_im, mask_ptr, order_ptr, count_ptr,
+                            g_ptr, L, T, ITEMS, s_b, s_h, s_l, s_n, x0_sb, x0_sh, x0_sn, TILES,
+                            K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_T: tl.constexpr, SEG: tl.constexpr, PRECISION: tl.constexpr,
+                            COMPLEX: tl.constexpr, HAS_X0: tl.constexpr, HAS_MASK: tl.constexpr,
+                            DX_GIVEN: tl.constexpr = False):
+    # one work item = one SEG-token piece of one (head, member) group: item j of head h is piece j of the members'
+    # pieces laid end to end (from the head's member counts, here); items past the real count are empty
+    item = tl.program_id(0)
     tile = tl.program_id(1)
     tile_n = tile // TILES
     tile_m = tile - tile_n * TILES
-    hk = tl.load(work_ptr + 2 * item)
-    piece = tl.load(work_ptr + 2 * item + 1)
-    h = hk // K
-    k = hk - h * K
-    first = tl.load(start_ptr + h * (K + 1) + k)
-    last = tl.load(start_ptr + h * (K + 1) + k + 1)
+    h = item // ITEMS
+    jt = item - h * ITEMS
+    kk = tl.arange(0, BLOCK_K)
+    cnt = tl.load(count_ptr + h * K + kk, mask=kk < K, other=0).to(tl.int32)
+    pcs = (cnt + SEG - 1) // SEG
+    piece_end = tl.cumsum(pcs, axis=0)
+    k = tl.sum((piece_end <= jt).to(tl.int32), axis=0)          # K: past the last piece
+    own = kk == k
+    last = tl.sum(tl.where(own, tl.cumsum(cnt, axis=0), 0), axis=0)
+    first = last - tl.sum(tl.where(own, cnt, 0), axis=0)
+    piece = jt - tl.sum(tl.where(own, piece_end - pcs, 0), axis=0)
+    hk = h * K + k
     begin = first + piece * SEG
     end = tl.minimum(last, begin + SEG)
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,9 +236,11 @@ def selector_dot_config(K: int) -> dict:
 
 def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=None, mask=None, K: int | None = None,
                      selector_config: dict | None = None, dictionary_config: dict | None = None,
-                     parts: tuple[str, ...] = ("dictionary", "selector"), precision: str = "ieee"):
+                     parts: tuple[str, ...] = ("dictionary", "selector"), precision: str = "ieee",
+                     dictionary_into: torch.Tensor | None = None):
     """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors (None for a part left out of `parts`;
-    the configs override the defaults below, for bench/ste_kernels.py).
+    the configs override the defaults below, for bench/ste_kernels.py). dictionary_into: a contiguous float32
+    [H,K,N,N] tensor the dictionary sum is added into (and returned as G), for a caller that sums over slices.
 
     lam, D, x: (re, im) planes [B,H,L,N] (float32, or bfloat16: read as float32) with one set of strides (im None
     for a real scan), or real / complex tensors (split with `float_planes`); x0: planes or a tensor [B,H,N], or
@@ -265,7 +276,8 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
                               selector_dot_config(K) if selector_config is None else selector_config, precision)
     if "dictionary" in parts:
         G = _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n,
-                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision)
+                        DICTIONARY_CONFIG if dictionary_config is None else dictionary_config, precision,
+                        into=dictionary_into)
     return G, r
 
 
@@ -310,45 +322,42 @@ def _selector_dot(planes, P, B, H, L, N, K, strides, x0_strides, cplx, has_x0, h
     return r
 
 
-def dictionary_grad_from_dx(kstar: torch.Tensor, lam, dx, K: int, precision: str = "ieee") -> torch.Tensor:
+def dictionary_grad_from_dx(kstar: torch.Tensor, lam, dx, K: int, precision: str = "ieee",
+                            into: torch.Tensor | None = None) -> torch.Tensor:
     """G [H,K,N,N] float32 from lam and dx = D_t x_{t-1} given as (re, im) float32 planes [B,H,L,N] of one shape and
-    strides (dx zero at padding): the dictionary sum for a caller that already has dx (the fused backward)."""
+    strides (dx zero at padding): the dictionary sum for a caller that already has dx (the fused backward).
+    into: as ste_grads_triton's dictionary_into."""
     (lre, lim), (xre, xim) = lam, dx
     B, H, L, N = lre.shape
     planes = (lre, lim, xre, xim, xre, xim, xre, xim, kstar)
     return _dictionary(planes, kstar, B, H, L, N, K, lre.stride(), (0, 0, 0), True, False, False,
-                       _tile(N), DICTIONARY_CONFIG, precision, dx_given=True)
+                       _tile(N), DICTIONARY_CONFIG, precision, dx_given=True, into=into)
 
 
 def _dictionary(planes, kstar, B, H, L, N, K, strides, x0_strides, cplx, has_x0, has_mask, block_n, dcfg,
-                precision="ieee", dx_given=False):
+                precision="ieee", dx_given=False, into=None):
     device = kstar.device
     T = B * L
     keys = kstar.permute(1, 0, 2).reshape(H, T)
     # token = b * L + l; 16-bit keys: a quarter of the radix passes of int64 ones (0.44 -> 0.18 ms a layer step)
-    order = torch.argsort(keys.to(torch.int16), dim=-1, stable=True).to(torch.int32).contiguous()
-    counts = torch.zeros(H, K, device=device, dtype=torch.int64).scatter_add_(1, keys, torch.ones_like(keys))
-    starts = torch.cat([counts.new_zeros(H, 1), counts.cumsum(1)], dim=1).to(torch.int32).contiguous()  # [H, K+1]
-    G = torch.zeros(H, K, N, N, device=device, dtype=torch.float32)
+    order = torch.argsort(keys.to(torch.int16), dim=-1, stable=True).to(torch.int32)
+    ones = keys.new_ones(()).expand_as(keys)   # no fill: scatter_add_ only reads it
+    counts = torch.zeros(H, K, device=device, dtype=torch.int64).scatter_add_(1, keys, ones)
+    G = torch.zeros(H, K, N, N, device=device, dtype=torch.float32) if into is None else into
     bn = min(64, block_n)
     # a piece's loop has a fixed trip count (seg / block_t), so a piece runs its whole length even where its member
     # has fewer tokens: with few tokens per member (a batch of one, 64 members: ~32 each) pieces of the mean count
     # (at least one block), not of the config's length, which stays the cap
     seg = min(dcfg["seg"], max(dcfg["block_t"], triton.next_power_of_2(max(1, T // K))))
-    # the grid lists only non-empty pieces: selections are skewed (one member may take most tokens of a head
-    # while others take none), and a (member x largest-piece-count) grid was mostly empty programs. Its size is
-    # the bound T/seg + K pieces per head, so no host sync is needed; items past the real count get an empty
-    # range (piece index past the member's end).
-    pieces = ((counts + seg - 1) // seg).view(-1)
-    ends = torch.cumsum(pieces, 0)
-    items = torch.arange(H * (-(-T // seg) + K), device=device)
-    hk = torch.searchsorted(ends, items, right=True).clamp_max(H * K - 1)
-    piece = torch.where(items < ends[-1], items - (ends - pieces)[hk], -(-T // seg) + 1)
-    work = torch.stack([hk, piece], dim=1).to(torch.int32).contiguous()
+    # the grid holds only pieces, not (member x largest piece count): selections are skewed (one member may take
+    # most tokens of a head while others take none). A head has at most T/seg + K pieces, so that bound sizes the
+    # grid with no host sync; each program finds its member and piece from the head's counts (the kernel), so the
+    # work list costs no launches of its own
+    items = -(-T // seg) + K
     tiles = triton.cdiv(N, bn)
     if T:
-        _dictionary_grad_kernel[(work.shape[0], tiles * tiles)](
-            *planes, order, starts, work, G, L, T, *strides, *x0_strides, tiles,
-            K=K, N=N, BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision, COMPLEX=cplx, HAS_X0=has_x0,
-            HAS_MASK=has_mask, DX_GIVEN=dx_given, num_warps=dcfg["num_warps"])
+        _dictionary_grad_kernel[(H * items, tiles * tiles)](
+            *planes, order, counts, G, L, T, items, *strides, *x0_strides, tiles,
+            K=K, N=N, BLOCK_K=_tile(K), BLOCK_N=bn, BLOCK_T=dcfg["block_t"], SEG=seg, PRECISION=precision,
+            COMPLEX=cplx, HAS_X0=has_x0, HAS_MASK=has_mask, DX_GIVEN=dx_given, num_warps=dcfg["num_warps"])
     return G
