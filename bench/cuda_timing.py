@@ -5,18 +5,25 @@ from __future__ import annotations
 import torch
 
 
-def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median milliseconds of fn() on the current stream (events around each call, synchronised per call)."""
+def median_ms(fn, reps: int = 10, warmup: int = 2, back_to_back: bool = False) -> float:
+    """Median milliseconds of fn() on the current stream, from an event pair around each call.
+
+    Synchronised per call (default): each call starts on an idle GPU, so host time the GPU waits for counts.
+    `back_to_back`: no sync between the calls, as the issues' tables were taken (../shared/tools/bench_layers.py):
+    the host issues a call while the GPU still runs the one before, so a call whose host work is shorter than its
+    GPU work is timed by its GPU work."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+        if not back_to_back:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
     return times[len(times) // 2]

@@ -20,7 +20,8 @@ Layers (--kinds; all built in bf16, train mode, parameter-matched through the li
   block-mamba2 / block-deltanet   the project's kinds `mamba2` / `deltanet` (layers/registry.py), which run those
                   library layers on their own parameters: compare with lib-*
 Time: median of CUDA-event timings after warm-up (the first calls compile and run the Triton autotuners in full
-unless --quick-autotune). Peak: max_memory_allocated during one step minus what was allocated before it
+unless --quick-autotune), with a sync after each call (every call starts on an idle GPU, so host time the GPU waits
+for counts) or, --back-to-back, none between calls, as the issues' tables were taken. Peak: max_memory_allocated during one step minus what was allocated before it
 (weights + input). One step: out = layer(x); out.backward(g) with a fixed random g.
 """
 
@@ -150,8 +151,8 @@ def first(o):
     return o[0] if isinstance(o, (tuple, list)) else o
 
 
-def measure(layer, x, iters: int, warmup: int):
-    """(fwd+bwd ms, forward ms, peak bytes above weights + input)."""
+def measure(layer, x, iters: int, warmup: int, back_to_back: bool = False):
+    """(fwd+bwd ms, forward ms, peak bytes above weights + input); back_to_back: `median_ms`'s."""
     g = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=torch.Generator("cuda").manual_seed(1))
 
     def step():
@@ -176,7 +177,8 @@ def measure(layer, x, iters: int, warmup: int):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return median_ms(step, iters, warmup=1), median_ms(fwd, iters, warmup=1), peak
+    return (median_ms(step, iters, warmup=1, back_to_back=back_to_back),
+            median_ms(fwd, iters, warmup=1, back_to_back=back_to_back), peak)
 
 
 def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
@@ -254,6 +256,9 @@ def main():
     ap.add_argument("--profile", default="", help="kind: print torch.profiler's top CUDA ops of one fwd+bwd and exit")
     ap.add_argument("--profile-forward", action="store_true", help="with --profile: the forward alone")
     ap.add_argument("--json", default="", help="append one JSON line per measurement to this file")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="no sync between timed calls, as the issues' tables were taken (bench_layers.py): a layer "
+                         "whose host work per call is shorter than its GPU work is timed by its GPU work")
     args = ap.parse_args()
     if args.pdssm_slice_mib:
         from llm_surgery.layers.flash_pdssm_fused import _FusedMiddle
@@ -270,7 +275,8 @@ def main():
           f"{_version('flash-linear-attention')}, fla-core {_version('fla-core')}, mamba_ssm {_version('mamba_ssm')}, "
           f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, Triton autotuning "
-          f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}")
+          f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}, timed "
+          f"{'back to back (no sync between calls)' if args.back_to_back else 'with a sync after each call'}")
     layers = {}
     for kind in args.kinds:
         try:
@@ -290,7 +296,7 @@ def main():
                 x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 try:
                     with one_kernel(kind == "pdssm-one"):
-                        ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
+                        ms, fwd, peak = measure(layer, x, args.iters, args.warmup, args.back_to_back)
                     row += [f"{ms:.2f} ({fwd:.2f})", f"{peak / 2**30:.2f}"]
                     if args.json:
                         with open(args.json, "a") as f:
