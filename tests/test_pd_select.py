@@ -141,6 +141,40 @@ def test_straight_through_sums_read_bf16_planes_as_float32_interpreted():
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
 
 
+def test_dictionary_sum_with_skewed_selections_interpreted():
+    """The dictionary sum's kernel finds each program's (member, piece) from the head's member counts: with one member
+    taking most of a head's tokens (several pieces), one taking none and programs past the last piece, it equals the
+    torch sum over the tokens grouped by member, and it adds into a given accumulator (`dictionary_into`), under
+    Triton's interpreter."""
+    require_interpreter_kernels()
+    code = textwrap.dedent("""
+        import torch
+        from llm_surgery.ops.pd_select.function import dictionary_grad
+        from llm_surgery.ops.pd_select.triton_ste import ste_grads_triton
+        torch.manual_seed(0)
+        B, H, L, N, K = 2, 3, 90, 12, 5
+        lam, D, x = (torch.randn(B, H, L, N, dtype=torch.complex64) for _ in range(3))
+        x0 = torch.randn(B, H, N, dtype=torch.complex64)
+        mask = (torch.rand(B, L) > 0.2).long()
+        kstar = torch.where(torch.rand(B, H, L) < 0.8, 0, torch.randint(1, K, (B, H, L)))
+        kstar[kstar == 3] = 4                      # member 3 takes no token; member 0 about 144 of a head's 180
+        P = torch.randint(0, N, (H, K, N)).to(torch.int16)
+        into = torch.randn(H, K, N, N)
+        before = into.clone()
+        G, _ = ste_grads_triton(P, kstar, lam, D, x, x0, mask, K, parts=("dictionary",), precision="ieee",
+                                dictionary_config={"seg": 32, "block_t": 16, "num_warps": 4}, dictionary_into=into)
+        assert G is into
+        x_prev = torch.cat([x0.unsqueeze(2), x[:, :, :-1]], 2)
+        G0 = dictionary_grad(kstar, lam, D * x_prev * mask[:, None, :, None], K)
+        assert G0[:, 0].abs().max() > 0 and G0[:, 3].abs().max() == 0
+        print(((G - before - G0).abs().max() / G0.abs().max()).item())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+
+
 @pytest.mark.parametrize("N,kernel", [(32, "_selector_dot"), (40, "_selector")])
 def test_half_precision_selector_sum_uses_the_tensor_cores_only_where_its_kernel_fits(monkeypatch, N, kernel):
     """TF32 layers take the tensor-core selector sum up to 32 state entries; beyond, its kernel spills registers
