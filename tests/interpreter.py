@@ -1,5 +1,9 @@
 """The skip shared by the tests that run this package's Triton kernels under Triton's interpreter (on the CPU)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 
@@ -9,3 +13,12 @@ def require_interpreter_kernels():
     triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
         pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+
+
+def run_interpreted(code: str) -> str:
+    """The last line `code` prints, run in a subprocess under Triton's interpreter (TRITON_INTERPRET=1); fails the
+    test with the subprocess's stderr if it exits non-zero."""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]

@@ -4,13 +4,12 @@ CPU the kernels run under Triton's interpreter (subprocess, TRITON_INTERPRET=1).
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import run_interpreted
 
 
 def _compare(device: str, dtype=torch.float32, direct: bool = False):
@@ -97,7 +96,4 @@ def test_block_kernels_match_torch_interpreted():
         from test_block_kernels import _compare
         print(json.dumps(_compare("cpu", direct=True)))
     """).format(tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    _assert_close(json.loads(out.stdout.strip().splitlines()[-1]), 1e-5)
+    _assert_close(json.loads(run_interpreted(code)), 1e-5)

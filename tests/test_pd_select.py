@@ -1,13 +1,10 @@
 """The straight-through selection equals autograd through the dense surrogate P_hard + P_soft - P_soft.detach()."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from interpreter import require_interpreter_kernels
+from interpreter import require_interpreter_kernels, run_interpreted
 
 from llm_surgery.ops.pd_select import column_argmax, gather_transitions, pd_select_scan, pd_select_scan_dense
 from llm_surgery.ops.pd_scan import pd_scan_naive
@@ -104,10 +101,7 @@ def test_selector_sum_on_tensor_cores_interpreted(dtype):
             worst = max(worst, ((r - r0).abs().max() / r0.abs().max()).item())
         print(worst)
     """).format(dtype=dtype)
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+    assert float(run_interpreted(code)) < 1e-5
 
 
 def test_straight_through_sums_read_bf16_planes_as_float32_interpreted():
@@ -135,10 +129,7 @@ def test_straight_through_sums_read_bf16_planes_as_float32_interpreted():
                         ((r - r0).abs().max() / r0.abs().max()).item())
         print(worst)
     """)
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
+    assert float(run_interpreted(code)) < 1e-6
 
 
 def test_dictionary_sum_with_skewed_selections_interpreted():
@@ -169,10 +160,7 @@ def test_dictionary_sum_with_skewed_selections_interpreted():
         assert G0[:, 0].abs().max() > 0 and G0[:, 3].abs().max() == 0
         print(((G - before - G0).abs().max() / G0.abs().max()).item())
     """)
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+    assert float(run_interpreted(code)) < 1e-5
 
 
 @pytest.mark.parametrize("N,kernel", [(32, "_selector_dot"), (40, "_selector")])
