@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from layer_compare import build, first
+from cuda_timing import median_ms
+from layer_compare import build, step_and_forward
 
 
 def main():
@@ -45,17 +46,7 @@ def main():
             built[kind, width] = build(kind, width)[1]
         layer = built[kind, width]
         x = torch.randn(B, L, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn_like(x)
-
-        def fwd():
-            first(layer(x))
-
-        def step():
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-            first(layer(x)).backward(g)
-
+        step, fwd = step_and_forward(layer, x)
         for name, fn in (("fwd", fwd), ("step", step)):
             for _ in range(4):
                 fn()
@@ -71,14 +62,7 @@ def main():
             fn()
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize()
-            alone = []
-            for _ in range(10):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                alone.append(s.elapsed_time(e))
+            alone = median_ms(fn, 10, warmup=0)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(int(1e9))
             s.record()
@@ -86,11 +70,11 @@ def main():
                 fn()
             e.record()
             e.synchronize()
-            print(f"{kind} w{width} B{B} L{L} {name}: alone (synced) median {sorted(alone)[5]:.3f} ms, queued "
+            print(f"{kind} w{width} B{B} L{L} {name}: alone (synced) median {alone:.3f} ms, queued "
                   f"(GPU-bound) {s.elapsed_time(e) / 10:.3f} ms, host issue {sorted(host)[2]:.3f} ms", flush=True)
             if args.profile_dir:
                 profile(fn, os.path.join(args.profile_dir, f"{kind}_w{width}_B{B}_{name}"))
-        del x, g
+        del x, step, fwd
         torch.cuda.empty_cache()
 
 

@@ -21,8 +21,9 @@ Layers (--kinds; all built in bf16, train mode, parameter-matched through the li
                   library layers on their own parameters: compare with lib-*
 Time: median of CUDA-event timings after warm-up (the first calls compile and run the Triton autotuners in full
 unless --quick-autotune), with a sync after each call (every call starts on an idle GPU, so host time the GPU waits
-for counts) or, --back-to-back, none between calls, as the issues' tables were taken. Peak: max_memory_allocated during one step minus what was allocated before it
-(weights + input). One step: out = layer(x); out.backward(g) with a fixed random g.
+for counts) or, --back-to-back, none between calls, as the issues' tables were taken. Peak: max_memory_allocated
+during one step minus what was allocated before it (weights + input). One step: out = layer(x); out.backward(g)
+with a fixed random g.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ def first(o):
     return o[0] if isinstance(o, (tuple, list)) else o
 
 
-def measure(layer, x, iters: int, warmup: int, back_to_back: bool = False):
-    """(fwd+bwd ms, forward ms, peak bytes above weights + input); back_to_back: `median_ms`'s."""
+def step_and_forward(layer, x):
+    """The two calls every bench times: one step (out = layer(x); out.backward(g), a fixed random g, gradients
+    cleared first) and the forward alone."""
     g = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=torch.Generator("cuda").manual_seed(1))
 
     def step():
@@ -164,6 +166,12 @@ def measure(layer, x, iters: int, warmup: int, back_to_back: bool = False):
     def fwd():
         first(layer(x))
 
+    return step, fwd
+
+
+def measure(layer, x, iters: int, warmup: int, back_to_back: bool = False):
+    """(fwd+bwd ms, forward ms, peak bytes above weights + input); back_to_back: `median_ms`'s."""
+    step, fwd = step_and_forward(layer, x)
     for _ in range(warmup):
         step()
     step()
