@@ -370,7 +370,8 @@ def test_dispatcher_autograd_uses_cuda_path():
 def test_too_long_chunk_raises_and_cuda_stays_usable(monkeypatch):
     """A chunk whose staged rows overflow shared memory (the backward at N=256, 64 steps: ~420 KB) is refused with
     an error naming it; and where the launcher itself is refused (the Python check bypassed), CUDA's error state is
-    reset, so the caller's next CUDA work runs instead of failing on the refusal."""
+    reset, so the caller's next CUDA work runs instead of failing on the refusal; the cached launch plan follows the
+    shared-memory limit it was made under."""
     K = _cuda()
     P, D, b, _, _ = _inputs(1, 256, 256, True)
     D, b = D.to(torch.complex64), b.to(torch.complex64)
@@ -384,6 +385,9 @@ def test_too_long_chunk_raises_and_cuda_stays_usable(monkeypatch):
     y = (x * 2).sum()   # a torch kernel launch and a sync: no stale error from the refused launch
     torch.cuda.synchronize()
     assert torch.isfinite(torch.view_as_real(y)).all()
+    monkeypatch.undo()   # the launch plan made under the patched limit does not outlive it
+    with pytest.raises(ValueError, match="shared memory"):
+        K.pd_scan_bwd_cuda(P, D, None, x, b, chunk=64)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -174,13 +174,12 @@ def _ptr(t):
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(layout, form, bwd, S, L, N, device, chunk, algo):
-    """(kernel code, chunk length, chunks, warp forward, one wave) of a launch: the same for every call of a shape,
-    so worked out once per shape (the launch is host-bound at small shapes; BENCHMARKS.md, "Host time")."""
+def _plan(layout, form, bwd, S, L, N, sms, limit, chunk, algo):
+    """(kernel code, chunk length, chunks, warp forward, one wave) of a launch on a GPU of `sms` multiprocessors and
+    `limit` bytes of shared memory a block: the same for every call of a shape, so worked out once per shape and
+    GPU (the launch is host-bound at small shapes; BENCHMARKS.md, "Host time")."""
     ext = _module()
     code = policy.algo_code(algo, N, bwd)
-    props = torch.cuda.get_device_properties(device)
-    sms, limit = props.multi_processor_count, policy.smem_limit(props)
     T = int(chunk) if chunk else policy.default_chunk(ext, layout, form, bwd, S, L, N, sms, code, limit)
     if T < 1:
         raise ValueError(f"pd_scan CUDA: chunk must be >= 1, got {chunk}")
@@ -198,7 +197,9 @@ def _plan(layout, form, bwd, S, L, N, device, chunk, algo):
 def _run(layout, form, bwd, S, L, N, ptrs, x0c, gx0, device, chunk, algo="auto"):
     """Launch one pass; returns the inclusive states [S, C, N, comps] float32 (the last chunk's is the final state)."""
     ext = _module()
-    code, T, C, warp_fwd, one_wave = _plan(layout, form, bwd, S, L, N, torch.device(device), chunk, algo)
+    props = torch.cuda.get_device_properties(device)
+    code, T, C, warp_fwd, one_wave = _plan(layout, form, bwd, S, L, N, props.multi_processor_count,
+                                           policy.smem_limit(props), chunk, algo)
     comps = 1 if layout == _REAL else 2
     starts = None
     if warp_fwd:
