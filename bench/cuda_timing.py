@@ -9,7 +9,7 @@ def median_ms(fn, reps: int = 10, warmup: int = 2, back_to_back: bool = False) -
     """Median milliseconds of fn() on the current stream, from an event pair around each call.
 
     Synchronised per call (default): each call starts on an idle GPU, so host time the GPU waits for counts.
-    `back_to_back`: no sync between the calls, as the issues' tables were taken (../shared/tools/bench_layers.py):
+    `back_to_back`: no sync between the calls, as the issues' tables were taken (bench_layers.py):
     the host issues a call while the GPU still runs the one before, so a call whose host work is shorter than its
     GPU work is timed by its GPU work."""
     for _ in range(warmup):
