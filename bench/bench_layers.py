@@ -33,6 +33,7 @@ import time
 import traceback
 
 import torch
+from cuda_timing import times_ms
 
 OUT = os.environ.get("OUT", ".")
 RESULTS = os.path.join(OUT, "results.jsonl")
@@ -47,24 +48,11 @@ def log_result(rec: dict):
 
 
 def time_cuda(fn, target_s: float = 1.5, nmin: int = 10, nmax: int = 60) -> dict:
-    """Back-to-back timing: 3 untimed calls, then as many calls as fill ~target_s (nmin..nmax), each between its
-    own pair of CUDA events, no sync between them."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    n = int(min(nmax, max(nmin, target_s / max(start.elapsed_time(end) / 1e3, 1e-6))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) for a, b in events)
+    """Back-to-back timing: 3 untimed calls and one timed alone, then as many calls as fill ~target_s
+    (nmin..nmax), each between its own pair of CUDA events, no sync between them."""
+    estimate = times_ms(fn, reps=1, warmup=3)[0]
+    n = int(min(nmax, max(nmin, target_s / max(estimate / 1e3, 1e-6))))
+    ts = times_ms(fn, reps=n, warmup=0, back_to_back=True)
     return {"median_ms": statistics.median(ts), "min_ms": ts[0], "p80_ms": ts[min(n - 1, int(0.8 * n))], "n": n}
 
 
