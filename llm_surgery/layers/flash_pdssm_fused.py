@@ -335,6 +335,7 @@ class _FusedMiddle(torch.autograd.Function):
         W = Wx.shape[0] // H
         Ck, skip, Bk = C.contiguous(), D_skip.contiguous(), Bw.contiguous()   # the kernels read them as float32
         Wu = Wx.to(u.dtype)
+        bias_f = decay_bias.float()   # float32, so the transition's backward returns its bias gradient unrounded
         g = _Grads(u, Wx, M, C, b_gate)
         for sl in _FusedMiddle._slices(B, L, H, N, K, P, W, x_re.element_size()):
             m = None if mask is None else mask[sl]
@@ -358,7 +359,7 @@ class _FusedMiddle(torch.autograd.Function):
             _, r = ste_grads_triton(P_dict, kstar, (gb_re, gb_im), (D_re, D_im), (xr, xi), float_planes(x0[sl]),
                                     m, K, precision=precision, dictionary_into=g.G)
             del D_re, D_im, kstar
-            gproj, gbias_s = transition_bwd_triton(proj, decay_bias.float(), gD_re, gD_im, r, ctx.tau, K, N, m,
+            gproj, gbias_s = transition_bwd_triton(proj, bias_f, gD_re, gD_im, r, ctx.tau, K, N, m,
                                                    unit_snap, phase_levels)
             g.bias += gbias_s.view(-1)
             del gD_re, gD_im, r
