@@ -1,6 +1,6 @@
-"""The issues' layer timing: one layer per process, forward + backward back to back, as issue 41's table and targets
-were measured (the team's `shared/tools/bench_layers.py`; this is its subset for the layers the targets name, same
-method and output, so those figures reproduce from the repository). `layer_compare.py` is the general bench (any
+"""Layer timing, one layer per process, forward + backward back to back: the method the project's speed targets
+are judged by (the subset, for the layers the targets name, of a timing tool kept outside this repository, with
+the same method and output, so those figures reproduce from the repository). `layer_compare.py` is the general bench (any
 width, every kind in one process, synced or --back-to-back timing).
 
     export OUT=<dir>                 # results are appended to $OUT/results.jsonl (default: .)

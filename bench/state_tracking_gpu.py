@@ -84,7 +84,7 @@ VARIANTS = {
 
 
 def plan(args) -> list[TrainConfig]:
-    """All runs: Table 1 (2 layers, width 128) and issue 9 (one layer); pdssm seeds first within each."""
+    """All runs: Table 1 (2 layers, width 128) and the group word problems (one layer); pdssm seeds first within each."""
     # no retries inside a run: a retry would overrun the call's time budget (--retry-unfit plans them instead)
     base = dict(device=args.device, steps=args.steps, eval_batch=args.eval_batch, eval_every=args.val_every,
                 retries=0)
@@ -206,7 +206,7 @@ def with_time_limits(cfgs: list[TrainConfig], budget: float, jobs: int, reserve:
 def start_mps() -> bool:
     """Start NVIDIA's MPS daemon (if this machine has it) before any CUDA work: without it the GPU time-slices
     between the runs' processes, one at a time; with it their small kernels run side by side (H200,
-    2026-11-22: 16 graphed runs made 730 steps/s together instead of 355, bench/state_tracking_speed.py). The spawned
+    2026-11-22: 16 graphed runs made 730 steps/s together instead of 355; docs/bench/state_tracking.md). The spawned
     workers inherit the pipe directory. False (and the environment left as it was) where MPS is missing or a
     CUDA client cannot start under it."""
     control = shutil.which("nvidia-cuda-mps-control")
@@ -284,7 +284,7 @@ def table1(rows: list[dict], key: str = "acc_mean") -> str:
 
 
 def table9(rows: list[dict]) -> str:
-    """Issue 9 layout: seeds with >= 99% at the longest eval length, accuracy there per seed."""
+    """The one-layer group problems' layout: seeds with >= 99% at the longest eval length, accuracy there per seed."""
     rows = [r for r in rows if r["task"] in GROUP_TASKS]
     lines = ["| task | kind | seeds >= 99% at 256 | acc at 256 per seed (%) | train loss | steps |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -369,11 +369,11 @@ def sweep_tables(rows: list[dict]) -> str:
     retried = sum(r["config"].get("attempt", 0) > 0 for r in rows)
     rows = last_attempts(rows)
     text = (f"({retried} results are retries of unfit runs: they replace the earlier tries)\n" if retried else "")
-    text += "Issue 7 (Table 1; 2 layers, width 128), final weights:\n" + table1(rows)
+    text += "Table 1 sweep (2 layers, width 128), final weights:\n" + table1(rows)
     if any("acc_selected_mean" in r for r in rows):
         text += ("\n\nTable 1, weights selected by validation on lengths 40..256 during training (--val-every; "
                  "the test sequences are apart from the validation ones):\n" + table1(rows, "acc_selected_mean"))
-    return text + "\n\nIssue 9 (one layer; pdssm with the CLI defaults):\n" + table9(rows)
+    return text + "\n\nGroup word problems (one layer; pdssm with the CLI defaults):\n" + table9(rows)
 
 
 def parse_args(argv=None):

@@ -1,4 +1,4 @@
-"""bench/state_tracking_gpu.py: the plan of the one-call GPU run (issues 7 and 9) and its time limits."""
+"""bench/state_tracking_gpu.py: the plan of the one-call GPU run (Table 1 and the one-layer group problems) and its time limits."""
 
 import importlib.util
 import json
@@ -197,7 +197,7 @@ def test_the_protocol_end_to_end_for_every_kind_across_calls(tmp_path, capsys):
     table = text[text.index("Table 1 under one protocol"):]
     for kind in gpu.protocol.KINDS:
         assert f"\n| {kind} | — | — | — | " in table and f"\n| s3_gen | {kind} | " in table
-    assert "| 2 | 32-32 |" in table and "sweep" not in table and "Issue 7" not in table
+    assert "| 2 | 32-32 |" in table and "sweep" not in table and "final weights" not in table
     with pytest.raises(SystemExit, match="fixes steps"):
         gpu.main(argv + ["--run-time", "10"])
     with pytest.raises(SystemExit, match="--protocol-tasks must name"):

@@ -1,4 +1,4 @@
-"""Issue 45's protocol: every kind under the same training settings, parameter counts matched within 5%, the
+"""The comparison protocol: every kind under the same training settings, parameter counts matched within 5%, the
 learning rate chosen on validation only."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 9 on the CPU: a one-layer Flash PD-SSM learns the S3 word problem (two generator tokens, the
+"""The S3 word problem on the CPU: a one-layer Flash PD-SSM learns the S3 word problem (two generator tokens, the
 transposition (0 1) and the 3-cycle) on lengths <= 40 and is exact at length 256, from a fixed seed, with the
 benchmark CLI's defaults (docs/bench/state_tracking.md: b_gate="decay", no convolution, random initial state,
 curriculum) and the one-layer S3 sizes of the GPU run; only the step count and batch are smaller."""

@@ -96,7 +96,7 @@ def gated_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
 
 # the backward's tile (rows x groups x entries per step) and warps. A whole row in one tile (4096 entries, as the
 # forward) took 0.45 / 0.47 / 0.95 ms at R x d = 2048 x 2560 (groups of 40) / 65536 x 1024 / 65536 x 2048 (groups
-# of 32), this config 0.14 / 0.38 / 0.59 (bf16, one H100; `bench/ste_kernels.py --norm-only`,
+# of 32), this config 0.14 / 0.38 / 0.59 (bf16, one H100; `bench/ste_kernels.py --norm-only` of commit 8438c3e,
 # docs/bench/data/gated_norm_bwd_h100_2026-11-28.md)
 NORM_BWD_CONFIG = {"tile": 1024, "num_warps": 8}
 

@@ -1,7 +1,7 @@
 """Synthetic state-tracking tasks: random token sequences whose label is the final state of an automaton.
 
 Deletang et al. (2023) regular tasks (the paper's Table 1): parity, even pairs, cycle navigation, modular
-arithmetic without brackets; and group word problems (issue 9): S3 and A5, with every group element as a token
+arithmetic without brackets; and group word problems: S3 and A5, with every group element as a token
 or only two generators. Every sequence starts with a BOS token (id `vocab_size - 1`) marking the start state.
 All rows of one batch share a length; labels are computed here with batched torch code, and the tests check
 them against independent plain-Python / DFA / permutation-matrix implementations.

@@ -20,7 +20,7 @@ from .model import StateTracker
 from .resume import config_dict, load_result, load_run, save_result, save_run
 from .tasks import get_task
 
-# Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md, issue 9).
+# Options that make Flash PD-SSM learn state tracking reliably (docs/bench/state_tracking.md).
 ROBUST_PDSSM = dict(b_gate="decay", x_init_std=1.0, conv_kernel=1, dict_init="noisy_permutation",
                     decay_range=(1e-4, 1e-3))
 # Two or more complex layers (Table 1): magnitudes that can reach exactly 1, phases on a grid of
@@ -132,7 +132,7 @@ def default_mixer_options(kind: str, d_model: int) -> dict:
 # The other kinds train exactly as in appendix B.1.
 KIND_DEFAULTS = {"pdssm": dict(curriculum_frac=0.3, retries=1)}
 
-# One-layer sizes for the group word problems (issue 9): real Flash PD-SSM, 16 heads whose state size is the
+# One-layer sizes for the group word problems: real Flash PD-SSM, 16 heads whose state size is the
 # number of points the group permutes; the options not named here are the CLI defaults above.
 ONE_LAYER_RECIPES = {
     "s3_gen": dict(n_layers=1, d_model=64, mixer=dict(num_heads=16, state_size=3, dict_size=8, complex=False)),

@@ -163,7 +163,8 @@ def _middle_fwd_kernel(proj_ptr, u_ptr, bw_ptr, c_ptr, skip_ptr, bias_ptr, pdict
     tl.store(lastim_ptr + seq * N + n, x_im, mask=nm)
 
 
-# Tokens per chunk and warps per program (bench/fused_middle.py times alternatives on the GPU). decode /
+# Tokens per chunk and warps per program (timed against alternatives on the GPU by bench/fused_middle.py,
+# now in git: `git show 8438c3e:bench/fused_middle.py`). decode /
 # min_pairs_per_sm: where these kernels replace the separate ones: decode=True runs a one-token step here (one
 # launch instead of ~20: 0.78 ms a layer step at batch 32 against fla DeltaNet's 1.06 on an H100), and
 # min_pairs_per_sm=k runs longer sequences here once batch x heads >= k x the multiprocessors. The latter stays off:

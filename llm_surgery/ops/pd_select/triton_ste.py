@@ -210,14 +210,15 @@ def float_planes(t: torch.Tensor | None):
     return t.float().contiguous(), None
 
 
-# Launch configurations; bench/ste_kernels.py times alternatives on the GPU (docs/kernels.md).
+# Launch configurations, chosen by timing alternatives on the GPU with bench/ste_kernels.py (in git:
+# `git show 8438c3e:bench/ste_kernels.py`).
 SELECTOR_CONFIG = {"tile": 1024, "num_warps": 1, "repeat": 8}   # tile = tokens x members x entries per step
 # the tensor-core form, where products may round to TF32 (half-precision layers): tokens per block, rows of Q per
 # product, blocks per program (more run out of shared memory: the loop is software-pipelined), and bf16 operands
 # instead of TF32 (another 1-2% off the layer's step at L = 4096 and 8192; off: 8-bit mantissas). From 64 members
 # on (width 2048's defaults) 128 tokens of 2 rows: 2.17 ms a call against 2.47 at B=16, L=2048, 64 heads, N=32
 # on an H100 (docs/bench/data/ste_kernels_k64_h100_2026-11-27.md), where at 32 members it is 0.69 against 0.63
-# (selector_tensor_cores_h100_2026-11-27.md there)
+# (docs/bench/data/selector_tensor_cores_h100_2026-11-27.md)
 SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "bf16": False}
 SELECTOR_DOT_CONFIG_WIDE = dict(SELECTOR_DOT_CONFIG, block_t=128, rows=2)   # K > 32
 
@@ -225,7 +226,7 @@ SELECTOR_DOT_CONFIG_WIDE = dict(SELECTOR_DOT_CONFIG, block_t=128, rows=2)   # K 
 # registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 40 in a granite-4.0-h-micro host's layers) ptxas
 # spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
 # registers and none at N = K = 32), so larger states keep the gathers
-SELECTOR_DOT_MAX_BLOCK_N = 32   # bench/selector_dot_registers.py
+SELECTOR_DOT_MAX_BLOCK_N = 32   # `git show 8438c3e:bench/selector_dot_registers.py` compiled them
 DICTIONARY_CONFIG = {"seg": 256, "block_t": 32, "num_warps": 4}   # seg: the longest piece (`_dictionary`)
 
 
@@ -239,7 +240,7 @@ def ste_grads_triton(P_dict: torch.Tensor, kstar: torch.Tensor, lam, D, x, x0=No
                      parts: tuple[str, ...] = ("dictionary", "selector"), precision: str = "ieee",
                      dictionary_into: torch.Tensor | None = None):
     """(G [H,K,N,N] float32, r [B,H,L,K] float32) for CUDA tensors (None for a part left out of `parts`;
-    the configs override the defaults below, for bench/ste_kernels.py). dictionary_into: a contiguous float32
+    the configs override the defaults below, for timing alternatives). dictionary_into: a contiguous float32
     [H,K,N,N] tensor the dictionary sum is added into (and returned as G), for a caller that sums over slices.
 
     lam, D, x: (re, im) planes [B,H,L,N] (float32, or bfloat16: read as float32) with one set of strides (im None
@@ -294,7 +295,7 @@ def selector_on_tensor_cores(N: int, precision: str) -> bool:
 
 def selector_dot_sizes(N: int, K: int, cfg: dict) -> dict:
     """The tensor-core selector kernel's block sizes for N state entries, K members and a SELECTOR_DOT_CONFIG-shaped
-    config (also what bench/selector_dot_registers.py compiles)."""
+    config."""
     block_n = _tile(N)
     return dict(BLOCK_N=block_n, BLOCK_K=_tile(K), BLOCK_T=cfg["block_t"], ROWS=min(cfg["rows"], block_n))
 
