@@ -2,7 +2,7 @@
 published configurations of the real checkpoints (so shapes and parameter counts can be checked on the meta
 device without downloading anything).
 
-The real configurations come from the checkpoints' config.json files (see /work/shared/notes/host-configs.md);
+The real configurations come from the checkpoints' config.json files on the hub;
 only the fields that shape the network are kept.
 """
 
