@@ -20,7 +20,7 @@ HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # go. Every other field (and the number of processes) must equal the checkpoint's, or `--resume` refuses.
 MAY_CHANGE_ON_RESUME = ("output_dir", "resume", "overwrite", "progress", "tensorboard", "plot", "log_every",
                         "eval_every", "save_every", "keep_last", "eval_batch_size", "cache_dir", "quick_autotune",
-                        "host_kernels", "gradient_checkpointing", "memory_check", "num_workers", "profile_steps",
+                        "retune", "host_kernels", "gradient_checkpointing", "memory_check", "num_workers", "profile_steps",
                         "ddp_bucket_mb", "cuda_graphs")
 
 
@@ -107,6 +107,10 @@ class TrainConfig:
     quick_autotune: bool = field(default=False, metadata={
         "help": "CUDA: Triton autotuners (mamba-ssm, fla) keep the leanest config that runs instead of timing all "
                 "(minutes saved on a first call; kernels may be slower)"})
+    retune: bool = field(default=False, metadata={
+        "help": "CUDA: time every Triton autotuner config again instead of taking the choices earlier runs stored "
+                "(~/.cache/llm_surgery/autotune, or LLM_SURGERY_AUTOTUNE_CACHE), and store the new choices; "
+                "LLM_SURGERY_RETUNE=1 does the same"})
     host_kernels: bool = field(default=True, metadata={
         "help": "CUDA: run the host's Mamba2 layers on mamba-ssm's Triton kernels when they import (else "
                 "transformers' torch reference; llm_surgery/host_kernels.py)"})

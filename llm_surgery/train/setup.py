@@ -63,13 +63,21 @@ def make_accelerator(cfg: TrainConfig):
 
 
 def use_cuda_kernels(cfg: TrainConfig, accelerator, log) -> None:
-    """Process-wide kernel choices of a run on CUDA (idempotent): quick Triton autotuning, mamba-ssm kernels for
-    the host's Mamba2 layers."""
+    """Process-wide kernel choices of a run on CUDA (idempotent): the pd_scan kernels built in the background
+    while the host loads (pdssm layers), Triton autotuning kept on disk (and quick, or redone, on request),
+    mamba-ssm kernels for the host's Mamba2 layers."""
     if accelerator.device.type != "cuda":
         return
+    if "pdssm" in cfg.kind.split("+"):
+        from llm_surgery.ops.pd_scan.cuda import start_build
+        start_build()
+    from llm_surgery.triton_autotune import persistent_autotune, quick_autotune
+
     if cfg.quick_autotune:
-        from llm_surgery.triton_autotune import quick_autotune
         log(f"quick Triton autotuning: {'on' if quick_autotune() else 'unavailable'}")
+    folder = persistent_autotune(retune=cfg.retune)
+    log("Triton autotuning: " + ("unavailable in this Triton" if folder is None else
+                                 f"{'timed again (--retune), then ' if cfg.retune else ''}kept in {folder}"))
     if cfg.host_kernels:
         from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
         log(use_mamba_kernels_for_hosts())

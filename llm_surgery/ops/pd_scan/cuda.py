@@ -3,7 +3,9 @@
 The extension is built on first use with `torch.utils.cpp_extension.load` into
 `~/.cache/llm_surgery/kernels/<hash of sources, torch and CUDA versions>` (override with the environment
 variable `LLM_SURGERY_KERNEL_CACHE`), so later uses only load it. Sources come from the installed package
-(`llm_surgery/_kernels/`) or, in an editable install, from the repository's `kernels/` folder.
+(`llm_surgery/_kernels/`) or, in an editable install, from the repository's `kernels/` folder. A first build takes
+about 28 s of nvcc (H200 machine, 16 cores); `start_build()` runs it in a background thread, so a program that
+knows it will need the kernels (the trainer, for pdssm layers) builds them while it loads its model.
 
 Calling forms (all tensors on one CUDA device, shapes `[..., L, N]`, leading dims flattened, N <= 1024):
 
@@ -37,6 +39,7 @@ import functools
 import hashlib
 import math
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -57,6 +60,7 @@ MAX_N = 1024   # the largest state size: one thread per entry in the block kerne
 
 _ext = None
 _state: dict = {}
+_lock = threading.RLock()  # one build, also when start_build's thread and a caller ask at once
 
 
 def _source_dir() -> Path:
@@ -94,12 +98,28 @@ def _build():
 def _module():
     global _ext
     if _ext is None:
-        _ext = _build()
+        with _lock:
+            if _ext is None:
+                _ext = _build()
     return _ext
 
 
 def available() -> bool:
-    """True when a CUDA device is present and the kernels build/load (cached; never raises)."""
+    """True when a CUDA device is present and the kernels build/load (cached; never raises). Waits for a build
+    that `start_build` began."""
+    with _lock:
+        return _available()
+
+
+def start_build() -> None:
+    """Build or load the kernels in a background thread (daemon; a no-op once done or without CUDA). The nvcc
+    processes of a first build run beside the caller's work; the first `available()` then waits only for what
+    is left of it."""
+    if "ok" not in _state and torch.cuda.is_available():
+        threading.Thread(target=available, name="pd_scan-build", daemon=True).start()
+
+
+def _available() -> bool:
     if "ok" not in _state:
         ok = False
         try:
