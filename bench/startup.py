@@ -93,7 +93,7 @@ def run_once(kind: str, caches: Path, out_dir: Path, args, profile: Path | None)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reader.join(5)
-    return {"kind": kind, "first_step_s": None if first is None else round(first, 1),
+    return {"kind": kind, "first_step_s": f"not reached in {args.timeout:.0f}" if first is None else round(first, 1),
             "graphs_s": marks.get("graphs"), "autotune": marks.get("autotune"),
             "rc": proc.returncode if first is None else None, "log": lines}
 
