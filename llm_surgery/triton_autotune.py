@@ -12,8 +12,8 @@ under the Triton version, the GPU's name, the kernel's source hash, the tuning k
 later process with the same ones takes it without timing anything. `retune=True` (the trainer's `--retune`, or
 LLM_SURGERY_RETUNE=1) times the configs again and replaces the stored choice. A round that does time its configs
 compiles them first in parallel threads (Triton's compiler releases the GIL: 4 kernels compiled in 1.33 s one
-after another took 0.38 s in 4 threads on the H200 machine, `bench/triton_compile_threads.py`), then times them one
-by one as Triton does: the host's Mamba2 forward tuning above took 14.4 s so instead of 42.
+after another took 0.38 s in 4 threads on the H200 machine; docs/bench/data/startup_h200_2026-11-29.md), then
+times them one by one as Triton does: the host's Mamba2 forward tuning above took 14.4 s so instead of 42.
 
 `quick_autotune()`: every autotuner keeps the leanest config that compiles and runs. Timing all configs costs
 about two minutes per kernel on a cold machine, more than a benchmark or a short GPU job can spend. Timings taken
