@@ -1,6 +1,11 @@
 """Save and load only the inserted layers: `inserted.safetensors` (weights) + `inserted.json` (what to rebuild
 and which host it belongs to: its shape, name or path, and config with its hash). Loading checks the host, builds
-the blocks and loads their weights strictly before it touches the model, so a failed load changes nothing."""
+the blocks and loads their weights strictly before it touches the model, so a failed load changes nothing.
+
+A surgered model's `save_pretrained` is `save_pretrained_inserted` (the surgery puts it on the model and its decoder
+stack), so that `transformers.Trainer` and TRL's `SFTTrainer` checkpoint it unchanged, while no directory is ever
+written that `from_pretrained` would load silently without the inserted layers: no `config.json` at its top.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from .surgery import LayerSpec, _insert, inserted_layers, inserted_specs
 
 CONFIG_FILE = "inserted.json"
 WEIGHTS_FILE = "inserted.safetensors"
+TRAINER_FILE = "model.safetensors"   # the same tensors under the model's own names: what Trainer's resume reads
+HOST_DIR = "host"                    # save_pretrained(..., host_weights=True): the host's own save_pretrained
 FORMAT = "llm_surgery.inserted"
 FORMAT_VERSION = 1
 
@@ -134,3 +141,35 @@ def _load_weights(blocks: dict[int, torch.nn.Module], tensors: dict[str, torch.T
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{weights} holds tensors for layers not in {CONFIG_FILE}: {extra[:5]}")
+
+
+def save_pretrained_inserted(model, save_directory, state_dict: dict | None = None, is_main_process: bool = True,
+                             host_weights: bool = False, **host_kwargs) -> None:
+    """`model.save_pretrained` of a surgered model. Writes `inserted.safetensors` + `inserted.json`
+    (`save_inserted`, what `load_inserted(fresh_host, directory)` reads), and `model.safetensors`: the same
+    tensors under the model's parameter names, which `Trainer.train(resume_from_checkpoint=...)` loads
+    non-strictly into the surgered model. No `config.json` is written, so `from_pretrained(directory)` fails
+    loudly instead of returning the host without its layers. The host's weights only with `host_weights=True`,
+    into `directory/host/` by the host class's own `save_pretrained` (given `host_kwargs`): the way back is then
+    `load_inserted(AutoModelForCausalLM.from_pretrained(directory / "host"), directory)`.
+
+    `state_dict`: the whole model's state dict (as Trainer passes it under FSDP or DeepSpeed), read instead of the
+    modules' own tensors. `is_main_process=False` writes nothing (the other ranks of a launch)."""
+    if not is_main_process:
+        return
+    directory = Path(save_directory)
+    if directory.is_file():
+        raise ValueError(f"save_pretrained needs a directory, {directory} is a file")
+    names = {id(m): name for name, m in model.named_modules()}
+    inserted = {}
+    for block in inserted_layers(model).values():
+        prefix = names[id(block)]
+        local = block.state_dict() if state_dict is None else {
+            k[len(prefix) + 1:]: v for k, v in state_dict.items() if k.startswith(prefix + ".")}
+        inserted.update({f"{prefix}.{k}": v.detach().to("cpu").contiguous() for k, v in local.items()})
+    save_inserted(model, directory, full_state_dict=inserted)
+    save_file(inserted, str(directory / TRAINER_FILE), metadata={"format": "pt"})
+    if host_weights:
+        host_state = {k: v for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
+                      if k not in inserted}
+        type(model).save_pretrained(model, directory / HOST_DIR, state_dict=host_state, **host_kwargs)

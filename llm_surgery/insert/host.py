@@ -62,10 +62,12 @@ def host_signature(base) -> dict:
 
 
 #: Config fields that do not shape the network a checkpoint's layers were trained in (paths, versions, dtype,
-#: output switches); fields starting with "_" are internal and left out too.
+#: output switches, the special token ids and loss coefficients that trainers such as TRL's set on the model);
+#: fields starting with "_" are internal and left out too.
 _RUNTIME_FIELDS = {"transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "output_attentions",
                    "output_hidden_states", "output_router_logits", "return_dict", "id2label", "label2id",
-                   "problem_type", "use_mamba_kernels", "tokenizer_class"}
+                   "problem_type", "use_mamba_kernels", "tokenizer_class", "pad_token_id", "bos_token_id",
+                   "eos_token_id", "router_aux_loss_coef"}
 
 
 def host_config(base) -> dict:

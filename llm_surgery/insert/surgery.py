@@ -185,10 +185,12 @@ def _check_specs(base, specs: list[LayerSpec]) -> None:
                              f"of this host (attention blocks at decoder layers {attn})")
 
 
-def _refuse_save_pretrained(model, *args, **kwargs):
-    raise RuntimeError("save_pretrained on a model with inserted layers would write tensors that from_pretrained "
-                       "drops; save the inserted layers with llm_surgery.save_inserted(model, dir) and restore them "
-                       "with load_inserted(<host from_pretrained>, dir), or remove_inserted(model) to save the host")
+def _save_pretrained(model, *args, **kwargs):
+    """A surgered model's save_pretrained: the inserted layers, never a directory that from_pretrained would load
+    without them (checkpoint.save_pretrained_inserted)."""
+    from .checkpoint import save_pretrained_inserted  # checkpoint imports this module
+
+    return save_pretrained_inserted(model, *args, **kwargs)
 
 
 def _set(undo: list, obj, name: str, value) -> None:
@@ -251,7 +253,7 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
             names = list(getattr(m, "_no_split_modules", None) or [])
             if InsertedBlock.__name__ not in names:  # FSDP auto-wrap / device_map treat each block as one unit
                 _set(surgery.undo, m, "_no_split_modules", names + [InsertedBlock.__name__])
-            _set(surgery.undo, m, "save_pretrained", types.MethodType(_refuse_save_pretrained, m))
+            _set(surgery.undo, m, "save_pretrained", types.MethodType(_save_pretrained, m))
         _set(surgery.undo, base, _ATTR, surgery)
     except BaseException:
         for fn in reversed(surgery.undo):
