@@ -64,6 +64,19 @@ class TrainConfig:
     cache_dir: str = "~/.cache/llm_surgery"
 
     # data
+    dataset: str = field(default="box", metadata={
+        "help": "box (generated Box data), or your own: a local .jsonl/.json/.csv/.parquet file or folder, or a hub "
+                "dataset id (online); columns text (language modelling), prompt + completion (loss on the "
+                "completion) or messages (chat template; loss on the assistant turns)"})
+    eval_ratio: float = field(default=0.1, metadata={"help": "own data without a validation or test split: this "
+                                                             "share of train is held out (seeded by --data-seed)"})
+    max_length: int | None = field(default=None, metadata={"help": "own data: the longest record in tokens "
+                                                                   "(none = no limit); see --over-length"})
+    over_length: str = field(default="drop", metadata={"help": "own data over --max-length: drop (left out) or "
+                                                                "truncate (cut to its first --max-length tokens); "
+                                                                "counted and reported either way"})
+    eval_generate: bool = field(default=False, metadata={
+        "help": "own prompt-completion or conversational data: also the exact match of the greedy completion"})
     num_sequences: int = field(default=200, metadata={"help": "Box sequences over train/validation/test"})
     train_max_ops: int = 6
     test_max_ops: int = 26
@@ -174,6 +187,13 @@ class TrainConfig:
         if self.fsdp and self.eval_mode == "generate":
             raise UsageError("eval_mode 'generate' runs the unwrapped model on each rank, which FSDP shards; "
                              "use eval_mode 'teacher_forced' with --fsdp")
+        choice("over_length", ("drop", "truncate"))
+        number("eval_ratio", 0, 1, low_open=True)
+        if self.max_length is not None and self.max_length < 2:
+            raise UsageError(f"max_length must be >= 2 (or none), got {self.max_length}")
+        if self.fsdp and self.eval_generate:
+            raise UsageError("--eval-generate runs the unwrapped model on each rank, which FSDP shards; leave it "
+                             "out with --fsdp")
         if self.resume and self.overwrite:
             raise UsageError("--resume continues the run in --output-dir and --overwrite deletes it; pass one")
         for name in ("n", "batch_size", "grad_accum", "eval_batch_size", "log_every", "keep_last", "num_sequences",

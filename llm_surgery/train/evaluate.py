@@ -131,6 +131,9 @@ def evaluate_run(run_dir, split: str = "test", accelerator=None, within=None) ->
     cfg = TrainConfig(**{**json.loads((run_dir / "config.json").read_text()), "fsdp": False, "resume": None})
     if cfg.random_init_config:
         raise ValueError(f"{run_dir} trained on a random-init host that was never saved; nothing to reload")
+    if cfg.dataset != "box":
+        raise ValueError(f"{run_dir} trained on --dataset {cfg.dataset}; evaluate_run re-evaluates Box runs (its "
+                         "results.json holds the own-data evaluation)")
     accelerator = accelerator or make_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
     use_cuda_kernels(cfg, accelerator, log=lambda msg: None)  # the run's kernels, as it evaluated with them

@@ -74,7 +74,7 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
     out_dir, world = Path(cfg.output_dir), accelerator.num_processes
     ckpt_root = out_dir / "checkpoints"
     dtype = resolve_dtype(cfg.host_dtype, accelerator.device.type == "cuda")
-    found = {"resume_path": None, "run_id": None}
+    found = {"resume_path": None, "run_id": None, "splits": None, "own": None}
     if cfg.resume:
         path = resolve_checkpoint(cfg.resume, ckpt_root)
         run_id = check_resume(read_state(path), cfg, world, accelerator.mixed_precision, path)
@@ -85,7 +85,10 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
         found.update(resume_path=path, run_id=run_id)
     else:
         check_fresh(out_dir, cfg.overwrite)
-    found["splits"] = check_splits(cfg, world)
+    if cfg.dataset == "box":
+        found["splits"] = check_splits(cfg, world)
+    else:
+        found["own"] = _own_data(cfg, world, log)
     if cfg.model and not cfg.random_init_config:
         model_source(cfg.model)
     host = host_parameters(cfg) if cfg.memory_check else None
@@ -93,6 +96,24 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
         check_memory(*host, dtype, accelerator.device, shards=world if cfg.fsdp else 1,
                      processes_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return found
+
+
+def _own_data(cfg: TrainConfig, world: int, log):
+    """The user's data (`--dataset`), read, checked and tokenized with the host's tokenizer before any work."""
+    from .host import load_tokenizer, model_source
+    from .own_data import load_own_data
+
+    if cfg.model and not cfg.random_init_config:
+        from transformers import AutoConfig
+
+        source = model_source(cfg.model)
+        tokenizer = load_tokenizer(source, AutoConfig.from_pretrained(source).vocab_size, log)
+    else:  # the embedded host and random-init hosts use the Box word tokenizer
+        from llm_surgery.box_data import build_box_tokenizer
+
+        source, tokenizer = "the embedded host" if not cfg.random_init_config else cfg.random_init_config, \
+            build_box_tokenizer()
+    return load_own_data(cfg, tokenizer, source, world, log)
 
 
 def preflight(cfg: TrainConfig, accelerator, log) -> dict:
@@ -207,6 +228,8 @@ class _Run:
     scheduler: Any
     graphed: Any = None  # graphs.GraphedLoss when steps replay from CUDA graphs, else None
     host_alone: dict | None = None
+    own: Any = None  # own_data.OwnData with `--dataset PATH_OR_ID` (then val_set is its first eval split)
+    own_sets: dict = field(default_factory=dict)  # its eval splits: name -> own_data.OwnEvalSet
     start_step: int = 0
     metrics: MetricsLog | None = None  # the main process's alone
     batches: Any = None  # the loader's iterator
@@ -232,10 +255,13 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
     from . import graphs
 
     model, tokenizer, host_desc, sizes = _build_model(cfg, accelerator, log)
+    own = run["own"]
+    if own is not None:
+        tokenizer = own.tokenizer  # the host's, as the data was checked and tokenized with it (pad token set)
     why_not = graphs.refusal(cfg, accelerator, model)
     log(f"CUDA graphs: {'on' if why_not is None else f'off ({why_not})'}")
     train_data, sampler, collate, total_steps, val_set, test_set = _build_data(
-        cfg, accelerator, tokenizer, run["splits"], log, 8 if why_not else graphs.LENGTH_MULTIPLE)
+        cfg, accelerator, tokenizer, run["splits"] or own, log, 8 if why_not else graphs.LENGTH_MULTIPLE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
     if why_not is None:  # the model stays unprepared: no DDP, no autocast wrapper (graphs.py)
@@ -250,7 +276,8 @@ def _set_up(cfg: TrainConfig, accelerator, run: dict, log) -> _Run:
         graphed = graphs.GraphedLoss(model, params, cfg.grad_accum, accelerator.mixed_precision)
     scheduler.optimizer = getattr(optimizer, "optimizer", optimizer)  # FSDP2 may rebuild the param groups
     r = _Run(cfg, accelerator, log, run["run_id"], model, tokenizer, host_desc, sizes, train_data, sampler, collate,
-             val_set, test_set, total_steps, optimizer, scheduler, graphed, params=params)
+             val_set, test_set, total_steps, optimizer, scheduler, graphed, params=params, own=own,
+             own_sets=test_set if own is not None else {})
     _start(r, run["resume_path"])
     _start_meters(r)
     if graphed is not None:  # after the meters: the peak memory counts the captures' working memory
@@ -296,12 +323,21 @@ def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad
     `pad_to_multiple_of` tokens); the run's length in optimizer steps; the evaluation sets (sharded loaders)."""
     from llm_surgery.box_data import BoxCollator
 
-    train_data = TokenizedBox(tokenizer, splits["train"])
+    own = splits if not isinstance(splits, dict) else None
+    train_data = TokenizedBox(tokenizer, splits["train"]) if own is None else own.train
     sampler = ShardedBatchSampler(len(train_data), cfg.batch_size, accelerator.process_index,
                                   accelerator.num_processes, cfg.seed)
     collate = BoxCollator(tokenizer, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
     steps_per_epoch = max(1, sampler.batches_per_epoch // cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    if own is not None:  # every eval split; the first is the one validated during training
+        from .own_data import OwnEvalSet
+
+        sets = {name: OwnEvalSet(accelerator, name, data, cfg.eval_batch_size) for name, data in own.evals.items()}
+        log(f"data: {len(train_data):,} train examples ({sampler.batches_per_epoch} global batches of "
+            f"{sampler.global_batch} per epoch), eval splits {', '.join(f'{k} {len(v.data):,}' for k, v in sets.items())}"
+            f"; {total_steps} optimizer steps x {cfg.grad_accum} accumulation")
+        return train_data, sampler, collate, total_steps, next(iter(sets.values())), sets
     val_set = EvalSet(accelerator, tokenizer, "validation", cap_records(splits["validation"], cfg.max_eval_examples),
                       cfg.eval_batch_size)
     test_set = EvalSet(accelerator, tokenizer, "test", cap_records(splits["test"], cfg.max_eval_examples),
@@ -319,7 +355,8 @@ def _start(r: _Run, resume_path) -> None:
     the same position."""
     cfg, acc = r.cfg, r.accelerator
     if cfg.eval_host and resume_path is None:
-        r.host_alone = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+        r.host_alone = _evaluate_own(r) if r.own is not None else evaluate(
+            acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
     if resume_path is not None:
         state = load_checkpoint(acc, resume_path, r.model, r.optimizer, r.scheduler)
         r.start_step = int(state["step"])
@@ -464,10 +501,27 @@ def _validate(r: _Run, done: int) -> None:
     """A validation evaluation during training (outside the throughput)."""
     r.meter.pause()
     with r.profile.evaluation("validation"):
-        val = evaluate(r.accelerator, r.model, r.tokenizer, r.val_set, r.cfg.train_max_ops, r.cfg.eval_mode)
+        if r.own is not None:
+            val = _evaluate_own(r, [r.val_set.name])
+        else:
+            val = evaluate(r.accelerator, r.model, r.tokenizer, r.val_set, r.cfg.train_max_ops, r.cfg.eval_mode)
     if r.accelerator.is_main_process:
-        r.metrics.log({"step": done, "val_accuracy": val["accuracy"]})
+        r.metrics.log({"step": done, **(_own_record(val) if r.own is not None else {"val_accuracy": val["accuracy"]})})
     r.meter.resume()
+
+
+def _evaluate_own(r: _Run, names=None) -> dict:
+    """Own data: loss, perplexity, token accuracy (and with --eval-generate greedy exact match) per eval split."""
+    from .own_data import evaluate_own
+
+    return {name: evaluate_own(r.accelerator, r.model, r.tokenizer, s, r.cfg.eval_generate)
+            for name, s in r.own_sets.items() if names is None or name in names}
+
+
+def _own_record(evals: dict) -> dict:
+    """A metrics record (and TensorBoard scalars) of own-data evaluations: `<split>_<metric>`."""
+    return {f"{split}_{k}": v for split, part in evals.items() for k, v in part.items()
+            if k in ("loss", "perplexity", "token_accuracy", "exact_match")}
 
 
 def _checkpoint(r: _Run, done: int) -> None:
@@ -491,6 +545,8 @@ def _finish(r: _Run) -> dict:
     cfg, acc = r.cfg, r.accelerator
     throughput = _throughput(r)
     save_final(acc, r.model, r.out_dir / "final", cfg)
+    if r.own is not None:
+        return _finish_own(r, throughput)
     with r.profile.evaluation("validation"):
         val = evaluate(acc, r.model, r.tokenizer, r.val_set, cfg.train_max_ops, cfg.eval_mode)
     with r.profile.evaluation("test"):
@@ -503,6 +559,40 @@ def _finish(r: _Run) -> dict:
                "config": {**cfg.to_dict(), "mixed_precision": acc.mixed_precision}}
     if acc.is_main_process:
         _write_results(r, results)
+    acc.wait_for_everyone()
+    _release_model(r)
+    acc.end_training()
+    return results
+
+
+def _finish_own(r: _Run, throughput: dict) -> dict:
+    """`_finish` for own data: every eval split evaluated, the results (and the data counts) on every process."""
+    cfg, acc = r.cfg, r.accelerator
+    with r.profile.evaluation("test"):
+        evals = _evaluate_own(r)
+    results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
+               "throughput": throughput, "num_processes": acc.num_processes,
+               "distributed_type": acc.distributed_type.value, "run_id": r.run_id,
+               "dataset": {"source": r.own.source, "format": r.own.format, "splits": r.own.report},
+               "eval": evals, "host_alone": r.host_alone, "step_profile": r.profile.result(),
+               "config": {**cfg.to_dict(), "mixed_precision": acc.mixed_precision}}
+    if acc.is_main_process:
+        from rich.console import Console
+
+        from .outputs import write_json
+        from .own_data import results_table
+
+        write_json(r.out_dir / "results.json", results)
+        if results["step_profile"] is not None:
+            write_json(r.out_dir / "step_profile.json", results["step_profile"])
+        r.metrics.log({"step": r.total_steps, "throughput": throughput})
+        r.metrics.log({"step": r.total_steps, **_own_record(evals)})
+        r.metrics.close()
+        console = Console()
+        console.width = max(console.width, 110)
+        console.print(results_table(evals, r.host_alone, f"{r.own.source}: host + {cfg.n} x {cfg.kind} inserted "
+                                                         "layers"))
+        r.log(f"inserted layers: {r.out_dir / 'final'}; results: {r.out_dir / 'results.json'}")
     acc.wait_for_everyone()
     _release_model(r)
     acc.end_training()
