@@ -639,18 +639,6 @@ def test_load_inserted_checks_layers_and_host_config_before_touching_the_model(h
         assert torch.equal(fresh(ids()).logits, model(ids()).logits)
 
 
-def test_save_pretrained_of_surgered_model_is_refused(host_dirs, tmp_path):
-    model = load_host(host_dirs, "granite")
-    insert_layers(model, "deltanet", 1)
-    for m in (model, model.model):
-        with pytest.raises(RuntimeError, match="from_pretrained drops.*save_inserted"):
-            m.save_pretrained(tmp_path / "full")
-    assert not (tmp_path / "full").exists()
-    remove_inserted(model)  # the host alone saves again
-    model.save_pretrained(tmp_path / "host")
-    assert (tmp_path / "host" / "config.json").is_file()
-
-
 # ------------------------------------------------------------------------------------------ Accelerate (DDP)
 DDP_SCRIPT = r'''
 import sys, torch

@@ -112,6 +112,8 @@ def _places(split: str, files: list[Path], n: int) -> list[str]:
                                                                                    range(n - len(places))]
         elif kind == "csv" and len(files) == 1:
             places += [f"{f} line {i + 2}" for i in range(n)]  # after the header
+        elif len(files) == 1:
+            places += [f"{f} row {i}" for i in range(n)]
         else:
             places += [f"{split} split row {i}" for i in range(n - len(places))]
     if len(places) != n:  # rows skipped by the reader: name rows, not lines
@@ -129,10 +131,10 @@ def read_dataset(spec: str) -> dict[str, RawSplit]:
         raise UsageError(f"--dataset {spec} does not exist")
     if local:
         files = _local_files(path)
-        for split_files in files.values():
-            for f in split_files:
-                if EXTENSIONS[f.suffix.lower()] == "json":
-                    _json_lines(f)  # malformed lines named before datasets reads them
+        for split, split_files in files.items():
+            for f in split_files:  # malformed lines and empty files named before datasets reads them
+                if f.stat().st_size == 0 or (EXTENSIONS[f.suffix.lower()] == "json" and _json_lines(f) == []):
+                    raise UsageError(f"--dataset {spec}: the {split} split is empty ({f} holds no records)")
         builder = EXTENSIONS[next(iter(files.values()))[0].suffix.lower()]
         args, kwargs = (builder,), {"data_files": {s: [str(f) for f in fs] for s, fs in files.items()}}
     else:

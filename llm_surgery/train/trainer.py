@@ -125,6 +125,7 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
     from .outputs import acquire_lock, release_lock
 
     lock, error, found = None, None, {}
+    created = not Path(cfg.output_dir).exists()  # a refused run leaves no directory it made
     try:
         if accelerator.is_main_process:
             lock = acquire_lock(Path(cfg.output_dir), log)
@@ -139,6 +140,9 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
     first = next((r for r in reports if r), None)
     if first:
         release_lock(lock)
+        if created and accelerator.is_main_process:
+            with contextlib.suppress(OSError):
+                Path(cfg.output_dir).rmdir()  # only if empty
         if error is not None:
             raise error
         raise (CheckpointError if first[0] == "CheckpointError" else UsageError)(first[1])

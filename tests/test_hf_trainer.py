@@ -1,0 +1,137 @@
+"""A surgered model under Hugging Face's `Trainer` and TRL's `SFTTrainer`, with no subclass and no callback: every
+`checkpoint-N/` and `save_model` directory holds the inserted layers (`load_inserted` restores them into a fresh
+host), `resume_from_checkpoint` continues exactly, and `save_pretrained` never writes a directory that
+`from_pretrained` would load without the layers."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llm_surgery.insert import insert_layers, inserted_layers, load_inserted, remove_inserted
+
+sys.path.insert(0, str(Path(__file__).parent))
+from own_data_host import save_tiny_checkpoint, word_tokenizer  # noqa: E402
+
+PAIRS = [(a, b) for a in "abcdef" for b in "0123"]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("host") / "tiny")
+
+
+def surgered(host, seed=0):
+    torch.manual_seed(seed)  # the inserted layers' initial weights
+    return insert_layers(AutoModelForCausalLM.from_pretrained(host), "pdssm", 2)
+
+
+def layer_tensors(model) -> dict:
+    return {f"{i}.{k}": v.detach().clone() for i, b in inserted_layers(model).items()
+            for k, v in b.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def ids(n=2, length=9):
+    return torch.randint(3, len(word_tokenizer()), (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_save_pretrained_writes_the_layers_never_a_host_from_pretrained_would_load_without_them(host, tmp_path):
+    model = surgered(host)
+    with torch.no_grad():
+        for b in inserted_layers(model).values():
+            b.mixer.out_proj.weight.normal_(0, 0.3)  # the layers now change the output
+    want = model(ids()).logits
+    for who in (model, model.model):  # the model and its decoder stack
+        who.save_pretrained(tmp_path / "saved")
+        assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+            "inserted.json", "inserted.safetensors", "model.safetensors"]
+        with pytest.raises((OSError, ValueError)):  # no config.json: from_pretrained fails, never drops the layers
+            AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+        fresh = load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "saved")
+        assert torch.allclose(fresh(ids()).logits, want, atol=1e-6)
+
+    model.save_pretrained(tmp_path / "full", host_weights=True)  # the host only when asked, in host/
+    assert not (tmp_path / "full" / "config.json").exists() and (tmp_path / "full" / "host" / "config.json").is_file()
+    back = load_inserted(AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "host"), tmp_path / "full")
+    assert torch.allclose(back(ids()).logits, want, atol=1e-6)
+    assert not any("pre_ssm" in k for k in AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "host")
+                   .state_dict())
+    model.save_pretrained(tmp_path / "other", is_main_process=False)  # another rank of a launch writes nothing
+    assert not (tmp_path / "other").exists()
+    remove_inserted(model).save_pretrained(tmp_path / "plain")  # the host alone saves as any model
+    assert (tmp_path / "plain" / "config.json").is_file()
+
+
+def _dataset(tok):
+    enc = [tok(f"{a} {b} -> {b} {a}") for a, b in PAIRS]
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(enc)
+
+        def __getitem__(self, i):
+            return dict(enc[i])
+    return Pairs()
+
+
+def _trainer(model, tok, out, max_steps):
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
+                             learning_rate=1e-2, use_cpu=True, report_to=[], logging_steps=1, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=_dataset(tok),
+                   data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+
+
+@pytest.mark.slow
+def test_trainer_checkpoints_resume_and_load_inserted_restores_each(host, tmp_path):
+    tok = word_tokenizer()
+    tok.pad_token = tok.eos_token
+    model = surgered(host)
+    start = layer_tensors(model)
+    trainer = _trainer(model, tok, tmp_path / "out", max_steps=4)
+    trainer.train()
+    trainer.save_model(tmp_path / "saved")
+    trained = layer_tensors(model)
+    assert not same(start, trained)
+    for d in ("out/checkpoint-2", "out/checkpoint-4", "saved"):
+        restored = layer_tensors(load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / d))
+        assert same(restored, trained) == (d != "out/checkpoint-2"), d
+    step2 = layer_tensors(load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "out/checkpoint-2"))
+    assert not same(step2, start) and not same(step2, trained)
+
+    again = surgered(host, seed=1)  # other initial layers: the checkpoint must replace them
+    resumed = _trainer(again, tok, tmp_path / "out", max_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    got = layer_tensors(again)
+    assert all(torch.allclose(got[k], trained[k], atol=1e-6) for k in trained)  # as the uninterrupted run
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_trains_and_checkpoints_the_layers(host, tmp_path):
+    trl = pytest.importorskip("trl", reason="TRL is the optional extra llm-surgery[trl]")
+    from datasets import Dataset
+
+    tok = word_tokenizer()
+    model = surgered(host)
+    start = layer_tensors(model)
+    data = Dataset.from_list([{"prompt": f"{a} {b} ->", "completion": f" {b} {a}"} for a, b in PAIRS])
+    # router_aux_loss_coef=0: Granite 4.0's config has the coefficient but no experts here (TRL would add the
+    # load-balancing loss, which needs them)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "out"), max_steps=2, save_steps=1, per_device_train_batch_size=4,
+                         learning_rate=1e-2, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
+                         router_aux_loss_coef=0.0, disable_tqdm=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    trainer.train()
+    trained = layer_tensors(model)
+    assert not same(start, trained)
+    restored = layer_tensors(load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "out/checkpoint-2"))
+    assert same(restored, trained)
