@@ -3,6 +3,7 @@
 host), `resume_from_checkpoint` continues exactly, and `save_pretrained` never writes a directory that
 `from_pretrained` would load without the layers."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -124,14 +125,35 @@ def test_trl_sft_trainer_trains_and_checkpoints_the_layers(host, tmp_path):
     model = surgered(host)
     start = layer_tensors(model)
     data = Dataset.from_list([{"prompt": f"{a} {b} ->", "completion": f" {b} {a}"} for a, b in PAIRS])
-    # router_aux_loss_coef=0: Granite 4.0's config has the coefficient but no experts here (TRL would add the
-    # load-balancing loss, which needs them)
+    # Granite 4.0's config carries a router loss coefficient; TRL (1.16) then adds the experts' load-balancing loss,
+    # reading `num_experts`, which Granite names `num_local_experts`. Without experts to balance: off.
+    model.config.router_aux_loss_coef = 0.0
     args = trl.SFTConfig(output_dir=str(tmp_path / "out"), max_steps=2, save_steps=1, per_device_train_batch_size=4,
                          learning_rate=1e-2, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
-                         router_aux_loss_coef=0.0, disable_tqdm=True)
+                         disable_tqdm=True)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     trainer.train()
     trained = layer_tensors(model)
     assert not same(start, trained)
     restored = layer_tensors(load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "out/checkpoint-2"))
     assert same(restored, trained)
+
+
+def test_example_data_is_what_its_generator_makes():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import cup_swaps
+
+    for name, n, seed in (("train", 600, 0), ("test", 100, 1)):
+        shipped = (cup_swaps.DATA / f"{name}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in shipped] == cup_swaps.make_records(n, seed)
+
+
+@pytest.mark.slow
+def test_example_fine_tunes_with_trainer_and_evaluates(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import cup_swaps
+
+    result = cup_swaps.main(["--max-steps", "4", "--output-dir", str(tmp_path)])
+    assert result["steps"] == 4 and 0.0 <= result["test_exact_match_host_alone"] <= 1.0
+    assert 0.0 <= result["test_exact_match"] <= 1.0
+    assert (tmp_path / "final" / "inserted.json").is_file() and (tmp_path / "checkpoint-2" / "inserted.json").is_file()

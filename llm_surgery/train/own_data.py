@@ -77,9 +77,9 @@ def _local_files(path: Path) -> dict[str, list[Path]]:
     return out
 
 
-def _json_lines(path: Path) -> list[int] | None:
-    """Line numbers of the records of a JSON-lines file, each checked to be a JSON object; None for a file that is
-    one JSON document (a `.json` list), which `datasets` reads itself."""
+def _json_lines(path: Path) -> list[tuple[int, dict]] | None:
+    """(line number, record) of every record of a JSON-lines file, each checked to be a JSON object; None for a
+    file that is one JSON document (a `.json` list), which `datasets` reads itself."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix.lower() == ".json":
         try:
@@ -97,7 +97,7 @@ def _json_lines(path: Path) -> list[int] | None:
             raise UsageError(f"{path} line {number}: malformed JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
             raise UsageError(f"{path} line {number}: a record must be a JSON object, got {type(record).__name__}")
-        lines.append(number)
+        lines.append((number, record))
     return lines
 
 
@@ -108,8 +108,8 @@ def _places(split: str, files: list[Path], n: int) -> list[str]:
         kind = EXTENSIONS[f.suffix.lower()]
         if kind == "json":
             lines = _json_lines(f)
-            places += [f"{f} line {i}" for i in lines] if lines is not None else [f"{f} item {i}" for i in
-                                                                                   range(n - len(places))]
+            places += [f"{f} line {i}" for i, _ in lines] if lines is not None else [f"{f} item {i}" for i in
+                                                                                      range(n - len(places))]
         elif kind == "csv" and len(files) == 1:
             places += [f"{f} line {i + 2}" for i in range(n)]  # after the header
         elif len(files) == 1:
@@ -119,6 +119,27 @@ def _places(split: str, files: list[Path], n: int) -> list[str]:
     if len(places) != n:  # rows skipped by the reader: name rows, not lines
         places = [f"{split} split row {i}" for i in range(n)]
     return places
+
+
+def _check_local(spec: str, files: dict[str, list[Path]]) -> None:
+    """Empty files, and in JSON lines malformed lines and fields of the wrong type, named with file and line before
+    `datasets` reads them (its reader names neither)."""
+    parsed = {}
+    for split, split_files in files.items():
+        rows, places = [], []
+        for f in split_files:
+            lines = _json_lines(f) if EXTENSIONS[f.suffix.lower()] == "json" else None
+            if f.stat().st_size == 0 or lines == []:
+                raise UsageError(f"--dataset {spec}: the {split} split is empty ({f} holds no records)")
+            rows += [r for _, r in lines or []]
+            places += [f"{f} line {i}" for i, _ in lines or []]
+        if rows:
+            parsed[split] = RawSplit(rows, places)
+    if parsed:
+        fmt = detect_format(spec, parsed)
+        for split in parsed.values():
+            for record, place in zip(split.rows, split.places):
+                _check_record(fmt, record, place)
 
 
 def read_dataset(spec: str) -> dict[str, RawSplit]:
@@ -131,10 +152,7 @@ def read_dataset(spec: str) -> dict[str, RawSplit]:
         raise UsageError(f"--dataset {spec} does not exist")
     if local:
         files = _local_files(path)
-        for split, split_files in files.items():
-            for f in split_files:  # malformed lines and empty files named before datasets reads them
-                if f.stat().st_size == 0 or (EXTENSIONS[f.suffix.lower()] == "json" and _json_lines(f) == []):
-                    raise UsageError(f"--dataset {spec}: the {split} split is empty ({f} holds no records)")
+        _check_local(spec, files)
         builder = EXTENSIONS[next(iter(files.values()))[0].suffix.lower()]
         args, kwargs = (builder,), {"data_files": {s: [str(f) for f in fs] for s, fs in files.items()}}
     else:
@@ -175,6 +193,13 @@ def detect_format(spec: str, splits: dict[str, RawSplit]) -> str:
         raise UsageError(f"--dataset {spec}: the splits have different formats "
                          f"({', '.join(f'{k}: {FORMATS[v]}' for k, v in formats.items())})")
     return next(iter(formats.values()))
+
+
+def _check_record(fmt: str, record: dict, place: str) -> None:
+    if fmt == "messages":
+        _messages(record, place)
+    for key in {"text": ("text",), "prompt_completion": ("prompt", "completion")}.get(fmt, ()):
+        _string(record, key, place)
 
 
 def _string(record: dict, key: str, place: str) -> str:
