@@ -186,6 +186,7 @@ def test_rate_choice_reads_validation_never_test():
     (["--tasks", "recall"], "unknown 'recall'"), (["--kinds", "gpt"], "unknown 'gpt'"),
     (["--steps", "0"], "expected an integer >= 1"), (["--seeds", "x"], "a count >= 1"),
     (["--lr", "0"], "positive learning rates"), (["--weight-decay", "-1"], "must be >= 0"),
+    (["--summarize", "/nonexistent/rows.jsonl"], "no such file"),
 ])
 def test_bad_flags_are_one_line_errors_with_exit_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
 
 from .model import KINDS
-from .tasks import TASK_ORDER, TASKS
+from .tasks import TASK_ORDER
 from .train import RunConfig, train, train_one_thread
 
 PAPER_LR = 5e-4  # MADConfig's default rate: ties in the choice go to the rate nearest it
@@ -83,17 +84,23 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", default=0.0, type=float, help="AdamW's weight decay (MAD's grid: 0, 0.1)")
     p.add_argument("--batch-size", default=128, type=_positive)
     p.add_argument("--eval-examples", default=None, type=_positive,
-                   help="sequences in each of the validation and test sets (default: MAD's 1,280; a run evaluates on at "
-                        "most as many as it trained on)")
+                   help="sequences in each of the validation and test sets (default: MAD's 1,280; a run "
+                        "evaluates on at most as many as it trained on)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is available")
     p.add_argument("--jobs", default=1, type=_positive, help="runs in parallel (processes, one torch thread each)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run every training step eagerly")
     p.add_argument("--full-autotune", action="store_true",
                    help="CUDA: let Triton autotune every config (default: keep the first that runs)")
     p.add_argument("--out", default=None, help="append one JSON line per run to this file")
+    p.add_argument("--summarize", default=None, metavar="FILE[,FILE]",
+                   help="print the table of these --out files (the later file's run of a kind, task, rate and "
+                        "seed replaces an earlier one) and exit")
     args = p.parse_args(argv)
     if not args.weight_decay >= 0 or not math.isfinite(args.weight_decay):
         p.error(f"--weight-decay: must be >= 0, got {args.weight_decay}")
+    missing = [f for f in (args.summarize or "").split(",") if f and not os.path.isfile(f)]
+    if missing:
+        p.error(f"--summarize: no such file: {', '.join(missing)}")
     return args
 
 
@@ -104,8 +111,7 @@ def configs(args) -> list[RunConfig]:
                      batch_size=args.batch_size, device=device, validate=len(args.lr) > 1,
                      cuda_graphs=not args.no_cuda_graphs, **extra)
            for t in args.tasks for k in args.kinds for lr in args.lr for s in args.seeds]
-    # the longest runs first, so that parallel workers finish together
-    return sorted(out, key=lambda c: -c.steps * TASKS[c.task].settings["seq_len"])
+    return out  # task by task, in --tasks' order: parallel workers finish the tasks one after another
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -129,23 +135,29 @@ def select(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def table(rows: list[dict], key: str = "test_acc") -> str:
-    """Markdown: one row per kind, one column per task (mean ± s.e. over seeds, %, chosen rate), the average."""
+    """Markdown: one row per kind, one column per task (mean ± s.e. over seeds, %, with the chosen rate where
+    several were run; † where not every rate of the grid finished, so no choice was made), and the average over
+    the tasks that every kind of the table has."""
     chosen = select(rows)
+    grid = {r["lr"] for r in rows}
+    rates = {(r["kind"], r["task"], r["lr"]) for r in rows}
     tasks = [t for t in TASK_ORDER if any(k[1] == t for k in chosen)]
-    lines = ["| kind | " + " | ".join(tasks) + " | avg |", "| --- " * (len(tasks) + 2) + "|"]
-    for kind in KINDS:
-        cells, means = [], []
+    kinds = [k for k in KINDS if any(c[0] == k for c in chosen)]
+    common = [t for t in tasks if all((k, t) in chosen for k in kinds)]
+    lines = ["| kind | " + " | ".join(tasks) + f" | avg of {len(common)} |", "| --- " * (len(tasks) + 2) + "|"]
+    for kind in kinds:
+        cells, means = [], {}
         for t in tasks:
             runs = chosen.get((kind, t))
             if not runs:
                 cells.append("—")
                 continue
-            m, se = _mean_se([100 * r[key] for r in runs])
-            means.append(m)
-            cells.append(f"{m:.1f} ± {se:.1f}" + (f" (lr {runs[0]['lr']:g})" if _several_rates(rows) else ""))
-        if means:
-            avg = f"{sum(means) / len(means):.1f}" if len(means) == len(tasks) else "—"
-            lines.append(f"| {kind} | " + " | ".join(cells) + f" | {avg} |")
+            means[t], se = _mean_se([100 * r[key] for r in runs])
+            full = all((kind, t, lr) in rates for lr in grid)
+            cells.append(f"{means[t]:.1f} ± {se:.1f}" + (f" (lr {runs[0]['lr']:g})" if len(grid) > 1 else "")
+                         + ("" if full else f" † {len(runs)} runs"))
+        avg = sum(means[t] for t in common) / len(common) if common else float("nan")
+        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {avg:.1f} |")
     return "\n".join(lines)
 
 
@@ -178,8 +190,22 @@ def _run_all(cfgs: list[RunConfig], jobs: int, quick_autotune: bool):
                       file=sys.stderr, flush=True)
 
 
+def read_rows(paths: str) -> list[dict]:
+    rows = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                rows[(r["kind"], r["task"], r["lr"], r["seed"])] = r
+    return list(rows.values())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        rows = read_rows(args.summarize)
+        print(table(rows))
+        return 0
     cfgs = configs(args)
     quick = cfgs[0].device == "cuda" and not args.full_autotune
     print(f"{len(cfgs)} runs on {cfgs[0].device}: tasks {', '.join(args.tasks)}; kinds {', '.join(args.kinds)}; "
