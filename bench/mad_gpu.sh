@@ -11,7 +11,7 @@ export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS not started"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -c "import fla, mamba_ssm; print('fla', fla.__version__, 'mamba_ssm', mamba_ssm.__version__)" 2>&1 | tail -1
+python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; pip show mamba_ssm 2>/dev/null | grep -i ^version
 t0=$(date +%s)
 for kind in attention pdssm mamba2 deltanet; do   # warm-up: compile each kind's kernels at the runs' shapes
   python3 -m llm_surgery.bench.mad --kinds $kind --steps 3 --seeds 1 --lr 1e-3,3e-3 --eval-examples 256 \
