@@ -1,6 +1,7 @@
 """What the package's command lines share: a refused input is one line, `<prog>: error: ...`, with exit status 2;
 a negative number in any notation (`--lr -1e-3`, `--tau -inf`) is a value, not an option, so that the range check
-names the flag instead of argparse saying "expected one argument"; and `--help` shows every flag's default."""
+names the flag instead of argparse saying "expected one argument"; `--help` shows every flag's default; and a
+`--device` is checked before any work."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "%(default)" in text or "(default" in text or action.default is argparse.SUPPRESS or \
+                not action.option_strings or action.required:  # (a help that states its default keeps it)
             return text
         if action.default is None:
             return f"{text} (default: none)".strip()
@@ -35,10 +37,28 @@ class Parser(argparse.ArgumentParser):
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
-        if not (action.help or "").strip() and action.option_strings:
+        if not (action.help or "").strip() and action.option_strings and not action.required:
             # argparse prints nothing for a flag without help text, not even its default
             action.help = "(default: none)" if action.default is None else "(default: %(default)s)"
         return action
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}{self.hint}\n")
+
+
+def check_device(device: str) -> None:
+    """A `--device` this machine has (cpu, cuda, cuda:N), or a ValueError saying why not: before any work, instead
+    of every run failing on its own."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r} is not a device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device}: only cpu and cuda[:N] are supported")

@@ -127,9 +127,14 @@ def test_sampler_shards_and_resumes():
         ShardedBatchSampler(7, 4, 0, 2, seed=0)
 
 
-def test_cap_records_keeps_whole_sequences():
-    recs = [{"sequence_id": s, "i": i} for s in "abc" for i in range(5)]
-    assert len(cap_records(recs, 7)) == 10 and len(cap_records(recs, 3)) == 5 and len(cap_records(recs, None)) == 15
+def test_cap_records_is_a_cap_of_whole_sequences_then_whole_states():
+    recs = [{"sequence_id": s, "num_ops": n, "box": b} for s in "abc" for n in range(4) for b in range(2)]  # 8 each
+    assert len(cap_records(recs, None)) == len(cap_records(recs, 24)) == 24
+    assert cap_records(recs, 16) == recs[:16]  # two whole sequences
+    # 21: two sequences, then 2 of the third's 4 states (2 records each), spread: at 1 and 3 operations
+    assert [(r["sequence_id"], r["num_ops"]) for r in cap_records(recs, 21)[16:]] == [("c", 1)] * 2 + [("c", 3)] * 2
+    assert cap_records(recs, 5) == [r for r in recs[:8] if r["num_ops"] in (1, 3)]  # 2 states of the first
+    assert cap_records(recs, 1) == recs[:1]  # below one state: the first records
 
 
 # ---------------------------------------------------------------- checkpoints

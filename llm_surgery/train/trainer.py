@@ -212,7 +212,7 @@ def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     use_cuda_kernels(cfg, accelerator, log)
     n, kind = accelerator.num_processes, accelerator.distributed_type.value
     precision = "no mixed precision (fp32)" if accelerator.mixed_precision == "no" else \
-        f"{accelerator.mixed_precision} mixed precision"
+        f"mixed precision {accelerator.mixed_precision}"
     log(f"llm-surgery train: {n} process{'es' if n > 1 else ''}{f' ({kind})' if kind != 'NO' else ''}, device "
         f"{accelerator.device}, {precision} (from {getattr(accelerator, 'precision_source', 'the launcher')})")
     r = _set_up(cfg, accelerator, run, log)
