@@ -440,14 +440,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.summarize:
-        from llm_surgery.cli import check_device
-
-        try:  # before any work: otherwise every run fails on its own
-            check_device(args.device)
-        except ValueError as e:
-            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-            return 2
     if args.pause_after is not None and not args.checkpoint_dir:
         raise SystemExit("--pause-after needs --checkpoint-dir (where the paused runs are kept)")
     if args.checkpoint_dir and not args.val_every:
@@ -476,6 +468,13 @@ def main(argv=None) -> int:
             print(c.kind, c.task, c.seed, c.n_layers, c.d_model, c.mixer, f"restarts {c.restarts}",
                   f"steps {c.steps} lr {c.lr:g}" if args.protocol else f"limit {c.time_limit_s:.0f}s")
         return 0
+    from llm_surgery.cli import check_device
+
+    try:  # before any work: otherwise every run fails on its own
+        check_device(args.device)
+    except ValueError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        return 2
     quick = args.device.startswith("cuda")
     if quick and args.mps:
         print(f"MPS: {start_mps()}", flush=True)

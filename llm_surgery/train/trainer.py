@@ -207,14 +207,20 @@ def train(cfg: TrainConfig) -> dict:
             release_lock(run["lock"])
 
 
-def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
-    """Set up, train for the run's steps, save and evaluate (nanoGPT's one loop, in `_loop`)."""
-    use_cuda_kernels(cfg, accelerator, log)
+def launch_line(accelerator) -> str:
+    """The run's first log line: processes (and Accelerate's distributed type when there are several), device and
+    mixed precision, with where the precision came from."""
     n, kind = accelerator.num_processes, accelerator.distributed_type.value
     precision = "no mixed precision (fp32)" if accelerator.mixed_precision == "no" else \
         f"mixed precision {accelerator.mixed_precision}"
-    log(f"llm-surgery train: {n} process{'es' if n > 1 else ''}{f' ({kind})' if kind != 'NO' else ''}, device "
-        f"{accelerator.device}, {precision} (from {getattr(accelerator, 'precision_source', 'the launcher')})")
+    return (f"llm-surgery train: {n} process{'es' if n > 1 else ''}{f' ({kind})' if kind != 'NO' else ''}, device "
+            f"{accelerator.device}, {precision} (from {getattr(accelerator, 'precision_source', 'the launcher')})")
+
+
+def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
+    """Set up, train for the run's steps, save and evaluate (nanoGPT's one loop, in `_loop`)."""
+    use_cuda_kernels(cfg, accelerator, log)
+    log(launch_line(accelerator))
     r = _set_up(cfg, accelerator, run, log)
     _loop(r)
     return _finish(r)
