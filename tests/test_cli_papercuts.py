@@ -1,4 +1,4 @@
-"""What a new user meets on the command lines (issue 73): every refusal is one line with exit status 2 before any file
+"""What a new user meets on the command lines: every refusal is one line with exit status 2 before any file
 is written, negative numbers parse, `--help` shows every default (a recipe's: the paper's settings), and the
 messages say what they mean."""
 

@@ -277,7 +277,7 @@ def test_teacher_forced_eval_alignment(accelerator):
 # ---------------------------------------------------------------- plot
 
 def test_plot_overlays_runs(tmp_path):
-    from llm_surgery.train.plot import main as plot_main
+    from llm_surgery.train.plot import load_results, main as plot_main
     for name, acc in (("a", 0.9), ("b", 0.5)):
         d = tmp_path / name
         d.mkdir()
@@ -286,8 +286,8 @@ def test_plot_overlays_runs(tmp_path):
     out = tmp_path / "cmp.png"
     plot_main([str(tmp_path / "a"), str(tmp_path / "b" / "results.json"), "-o", str(out)])
     assert out.stat().st_size > 5000 and out.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(FileNotFoundError, match="no results file"):
-        plot_main([str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="missing does not exist"):  # the command line: one line, exit 2
+        load_results(tmp_path / "missing")
 
 
 # ---------------------------------------------------------------- end to end

@@ -93,9 +93,9 @@ class TrainConfig:
     data_seed: int = field(default=2255, metadata={"help": "seed of the generated Box splits"})
     # 1134 = 6 whole test sequences (27 prefixes x 7 boxes at --test-max-ops 26): the main job's test set
     max_eval_examples: int | None = field(default=1134, metadata={
-        "help": "at most this many examples per evaluated split: whole sequences while they fit, then whole "
-                "states of the next at evenly spread numbers of operations (llm_surgery.train.data.cap_records); "
-                "none = the whole split"})
+        "help": "at most this many examples per evaluated split (Box: whole sequences while they fit, then whole "
+                "states of the next at evenly spread numbers of operations, llm_surgery.train.data.cap_records; own "
+                "data: the first ones); none = the whole split"})
 
     # optimisation
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate of the inserted layers (AdamW)"})

@@ -128,15 +128,14 @@ def preflight(cfg: TrainConfig, accelerator, log) -> dict:
 
     out_dir = Path(cfg.output_dir)
     lock, error, found = None, None, {}
-    created = not Path(cfg.output_dir).exists()  # a refused run leaves no directory it made
+    # an existing directory is locked before it is checked; a new one is made only once this process's checks
+    # passed (and checked again: another run may have made it meanwhile), and removed if another process refuses
+    created = not out_dir.exists()
     try:
-        # an existing directory is locked before it is checked; a new one is made only once the run is accepted,
-        # so a refused run leaves no empty folder behind (and a directory made meanwhile is checked again)
-        new_dir = not out_dir.exists()
-        if accelerator.is_main_process and not new_dir:
+        if accelerator.is_main_process and not created:
             lock = acquire_lock(out_dir, log)
         found = _checks(cfg, accelerator, log)
-        if accelerator.is_main_process and new_dir:
+        if accelerator.is_main_process and created:
             lock = acquire_lock(out_dir, log)
             if not cfg.resume:
                 check_fresh(out_dir, cfg.overwrite)
