@@ -421,8 +421,8 @@ def parse_args(argv=None):
     ap.add_argument("--gpus", type=int, default=1,
                     help="spread the runs over this many GPUs (cuda:0..N-1, round robin; with --device cuda)")
     ap.add_argument("--mps", action="store_true", help="CUDA: run the processes under NVIDIA MPS (start_mps)")
-    ap.add_argument("--protocol", default=None, choices=["table1", "groups", "table1,groups"],
-                    help="run the common protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
+    ap.add_argument("--protocol", default=None, choices=["table1", "groups", "table1,groups"], metavar="SETTINGS",
+                    help="table1, groups or table1,groups: run the common protocol (llm_surgery/bench/state_tracking/protocol.py) on these settings "
                          "instead of the sweep: a learning-rate search, then the reported seeds at the chosen "
                          "rates; fixed steps (resume across calls with --checkpoint-dir and --pause-after)")
     ap.add_argument("--protocol-seeds", type=int, default=5, help="reported seeds per kind and task (0..n-1)")
@@ -468,6 +468,13 @@ def main(argv=None) -> int:
             print(c.kind, c.task, c.seed, c.n_layers, c.d_model, c.mixer, f"restarts {c.restarts}",
                   f"steps {c.steps} lr {c.lr:g}" if args.protocol else f"limit {c.time_limit_s:.0f}s")
         return 0
+    from llm_surgery.cli import check_device
+
+    try:  # before any work: otherwise every run fails on its own
+        check_device(args.device)
+    except ValueError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        return 2
     quick = args.device.startswith("cuda")
     if quick and args.mps:
         print(f"MPS: {start_mps()}", flush=True)

@@ -502,7 +502,7 @@ def test_errors_on_bad_arguments(host_dirs):
 def test_checkpoint_errors(host_dirs, tmp_path):
     with pytest.raises(ValueError, match="no inserted layers"):
         save_inserted(load_host(host_dirs, "granite"), tmp_path / "none")
-    with pytest.raises(FileNotFoundError, match="inserted.json"):
+    with pytest.raises(ValueError, match="no inserted-layer checkpoint: .*inserted.json does not exist"):
         load_inserted(load_host(host_dirs, "granite"), tmp_path / "missing")
 
     model = load_host(host_dirs, "granite")
@@ -522,7 +522,7 @@ def test_checkpoint_errors(host_dirs, tmp_path):
     with pytest.raises(ValueError, match="corrupt.*inserted.json"):
         load_inserted(load_host(host_dirs, "granite"), bad)
     (bad / "inserted.json").write_text((ckpt / "inserted.json").read_text())
-    with pytest.raises(FileNotFoundError, match="inserted.safetensors"):
+    with pytest.raises(ValueError, match="no inserted-layer weights: .*inserted.safetensors does not exist"):
         load_inserted(load_host(host_dirs, "granite"), bad)
     (bad / "inserted.safetensors").write_bytes((ckpt / "inserted.safetensors").read_bytes()[:100])
     fresh = load_host(host_dirs, "granite")

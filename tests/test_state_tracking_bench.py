@@ -208,7 +208,7 @@ def test_config_errors():
 
 def test_seeds_parsing():
     assert _seeds("3") == [0, 1, 2] and _seeds("4,7") == [4, 7] and _seeds("7,") == [7]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--seeds must be a count or a comma list of integers, got 'x'"):
         _seeds("x")
 
 

@@ -127,9 +127,14 @@ def test_sampler_shards_and_resumes():
         ShardedBatchSampler(7, 4, 0, 2, seed=0)
 
 
-def test_cap_records_keeps_whole_sequences():
-    recs = [{"sequence_id": s, "i": i} for s in "abc" for i in range(5)]
-    assert len(cap_records(recs, 7)) == 10 and len(cap_records(recs, 3)) == 5 and len(cap_records(recs, None)) == 15
+def test_cap_records_is_a_cap_of_whole_sequences_then_whole_states():
+    recs = [{"sequence_id": s, "num_ops": n, "box": b} for s in "abc" for n in range(4) for b in range(2)]  # 8 each
+    assert len(cap_records(recs, None)) == len(cap_records(recs, 24)) == 24
+    assert cap_records(recs, 16) == recs[:16]  # two whole sequences
+    # 21: two sequences, then 2 of the third's 4 states (2 records each), spread: at 1 and 3 operations
+    assert [(r["sequence_id"], r["num_ops"]) for r in cap_records(recs, 21)[16:]] == [("c", 1)] * 2 + [("c", 3)] * 2
+    assert cap_records(recs, 5) == [r for r in recs[:8] if r["num_ops"] in (1, 3)]  # 2 states of the first
+    assert cap_records(recs, 1) == recs[:1]  # below one state: the first records
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -272,7 +277,7 @@ def test_teacher_forced_eval_alignment(accelerator):
 # ---------------------------------------------------------------- plot
 
 def test_plot_overlays_runs(tmp_path):
-    from llm_surgery.train.plot import main as plot_main
+    from llm_surgery.train.plot import load_results, main as plot_main
     for name, acc in (("a", 0.9), ("b", 0.5)):
         d = tmp_path / name
         d.mkdir()
@@ -281,8 +286,8 @@ def test_plot_overlays_runs(tmp_path):
     out = tmp_path / "cmp.png"
     plot_main([str(tmp_path / "a"), str(tmp_path / "b" / "results.json"), "-o", str(out)])
     assert out.stat().st_size > 5000 and out.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(FileNotFoundError, match="no results file"):
-        plot_main([str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="missing does not exist"):  # the command line: one line, exit 2
+        load_results(tmp_path / "missing")
 
 
 # ---------------------------------------------------------------- end to end

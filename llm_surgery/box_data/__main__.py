@@ -13,7 +13,9 @@ from .files import iter_jsonl, prepare_output_dir, read_jsonl, write_splits
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llm-surgery-box", description="Extended Box state-tracking dataset.")
+    from llm_surgery.cli import Parser
+
+    p = Parser(prog="llm-surgery-box", description="Extended Box state-tracking dataset.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="write train/validation/test JSON Lines and a dataset card")
@@ -21,10 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=gen.DEFAULT_SEED)
     sizes = g.add_mutually_exclusive_group()
     sizes.add_argument("--num-sequences", type=int, default=gen.DEFAULT_NUM_SEQUENCES,
-                       help="total sampled sequences, cut 60/10/30 into train/validation/test "
-                            f"(default {gen.DEFAULT_NUM_SEQUENCES})")
+                       help="total sampled sequences, cut 60/10/30 into train/validation/test (each split "
+                            "needs one: at least 4)")
     sizes.add_argument("--split-sequences", type=int, nargs=3, metavar=("TRAIN", "VALIDATION", "TEST"),
-                       help="sequences per split instead of --num-sequences")
+                       help="sequences per split instead of --num-sequences (0 leaves a split out on purpose)")
     g.add_argument("--train-max-ops", type=int, default=gen.DEFAULT_TRAIN_MAX_OPS,
                    help="operations per train/validation sequence (contexts hold 0..this many)")
     g.add_argument("--test-max-ops", type=int, default=gen.DEFAULT_TEST_MAX_OPS,
@@ -50,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args) -> None:
     num = dict(zip(gen.SPLITS, args.split_sequences)) if args.split_sequences else args.num_sequences
     sizes = gen.check_generation_args(num, args.seed, args.train_max_ops, args.test_max_ops)
+    empty = [s for s in gen.SPLITS if not sizes[s]]
+    if empty and not args.split_sequences:
+        raise ValueError(f"--num-sequences {args.num_sequences} gives no {' or '.join(empty)} sequence (cut "
+                         "60/10/30): pass at least 4, or --split-sequences to choose each split's size")
     names = list(gen.SPLITS) + ([gen.DISJOINT_SPLIT] if args.disjoint_vocab else [])
     prepare_output_dir(args.out, names, args.overwrite)
     t0 = time.perf_counter()

@@ -19,7 +19,8 @@ def split_filename(split: str) -> str:
 
 
 def prepare_output_dir(out_dir: str | os.PathLike, splits: Iterable[str], overwrite: bool = False) -> Path:
-    """Create `out_dir` and prove it is writable; refuse to replace existing output unless `overwrite`.
+    """Create `out_dir` and prove it is writable; refuse a directory holding files other than a Box dataset's
+    (hidden ones aside), and existing output unless `overwrite`.
 
     Called before any generation so that bad paths fail at once.
     """
@@ -27,6 +28,12 @@ def prepare_output_dir(out_dir: str | os.PathLike, splits: Iterable[str], overwr
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a directory")
     names = [split_filename(s) for s in splits] + [CARD_NAME]
+    ours = {split_filename(s) for s in (*SPLITS, DISJOINT_SPLIT, *splits)} | {CARD_NAME}
+    others = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".")) \
+        if out.is_dir() else []
+    if others:
+        raise ValueError(f"{out} holds files that are not a Box dataset's ({', '.join(others[:5])}"
+                         f"{', ...' if len(others) > 5 else ''}); write into a new or empty directory")
     existing = [n for n in names if (out / n).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{out} already holds {', '.join(existing)}; pass overwrite=True (--overwrite) "

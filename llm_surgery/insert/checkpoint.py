@@ -80,7 +80,7 @@ def read_inserted_config(directory) -> dict:
     """The parsed `inserted.json` of a checkpoint directory, with clear errors naming the file."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no inserted-layer checkpoint: {path} does not exist")
+        raise ValueError(f"no inserted-layer checkpoint: {path} does not exist")
     try:
         config = json.loads(path.read_text())
         if config.get("format") != FORMAT:
@@ -114,7 +114,7 @@ def load_inserted(model, directory):
                          + (f" ({name})" if name else "") + ": " + "; ".join(diffs))
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
-        raise FileNotFoundError(f"no inserted-layer weights: {weights} does not exist")
+        raise ValueError(f"no inserted-layer weights: {weights} does not exist")
     try:
         tensors = load_file(str(weights))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types

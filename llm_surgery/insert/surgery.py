@@ -280,6 +280,13 @@ def insert_layers(model, kind, n: int, positions=None, **layer_options):
     return _insert(model, specs)
 
 
+def plan_insertion(model, kind, n: int, positions=None, **layer_options) -> list[LayerSpec]:
+    """What `insert_layers` with these arguments would insert, or its error (architecture, kinds, n, positions),
+    without touching the model or building a layer: it needs only the host's configuration, so a model on the
+    meta device will do (the trainer checks a run's settings so before it loads any weights)."""
+    return _resolve(base_model(model), kind, n, positions, layer_options)
+
+
 def remove_inserted(model):
     """Undo the surgery (hooks, blocks and attributes removed; the host stays frozen). Returns the model."""
     base = base_model(model)

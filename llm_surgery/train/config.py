@@ -11,6 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from llm_surgery.cli import Parser
 from llm_surgery.layers.registry import MIXER_KINDS as KINDS, constructor_options
 
 SCHEDULES = ("constant", "cosine")
@@ -33,8 +34,9 @@ class TrainConfig:
     """Every knob of a run. `None` model means the embedded tiny host (built, pretrained on Box and cached)."""
 
     # host and surgery
-    model: str | None = field(default=None, metadata={"help": "local checkpoint dir or hub id (hub only when "
-                                                               "you pass one); default: embedded tiny host"})
+    model: str | None = field(default=None, metadata={"help": "local checkpoint dir or hub id (the hub is asked only "
+                                                               "for an id you pass); none = the Box host shipped in "
+                                                               "the package (llm_surgery/data/box_host)"})
     random_init_config: str | None = field(default=None, metadata={
         "help": "build a random-weight host of this named real configuration (throughput runs; takes "
                 "precedence over --model)"})
@@ -42,26 +44,32 @@ class TrainConfig:
                                                          "joined by '+', one per inserted layer in order "
                                                          "(mixed insertion, e.g. pdssm+mamba2+pdssm+mamba2)"})
     n: int = field(default=4, metadata={"help": "number of inserted layers"})
-    positions: list[int] | None = field(default=None, metadata={"help": "attention layer indices to insert before"})
+    positions: list[int] | None = field(default=None, metadata={
+        "help": "indices into the host's attention blocks (0 = the first) to insert before; none = n blocks spread "
+                "evenly over depth"})
     mixer_options: str = field(default="{}", metadata={"help": "JSON dict of mixer constructor options"})
     tau: float | None = field(default=None, metadata={"help": "PD-SSM selection temperature (set_tau); the start "
-                                                            "of the annealing when --tau-end is given"})
+                                                            "of the annealing when --tau-end is given; none = the "
+                                                            "layer's own, 1.0"})
     tau_end: float | None = field(default=None, metadata={"help": "anneal the PD-SSM temperature geometrically from "
-                                                                "--tau (default 1.0) to this at the last step"})
+                                                                "--tau to this at the last step; none = no annealing"})
     host_dtype: str = field(default="auto", metadata={"help": f"frozen host dtype: {', '.join(HOST_DTYPES)}"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank on the host attention projections (0 = off)"})
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
-    gradient_checkpointing: bool = False
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input, in [0, 1)"})
+    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj", metadata={
+        "help": "comma list of the host's module names that get LoRA adapters"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute the host's activations in the backward (less memory, more time; no CUDA graphs)"})
 
     # embedded tiny host
     tiny_host: str = field(default="granite", metadata={"help": "architecture of the embedded host: granite or "
                                                                 "nemotron"})
     pretrain_steps: int = field(default=150, metadata={"help": "steps of full pretraining of the embedded host "
                                                                "on Box IID data (cached by config hash)"})
-    pretrain_lr: float = 3e-3
-    cache_dir: str = "~/.cache/llm_surgery"
+    pretrain_lr: float = field(default=3e-3, metadata={"help": "learning rate of that pretraining"})
+    cache_dir: str = field(default="~/.cache/llm_surgery", metadata={
+        "help": "where a pretrained embedded host is cached"})
 
     # data
     dataset: str = field(default="box", metadata={
@@ -78,38 +86,44 @@ class TrainConfig:
     eval_generate: bool = field(default=False, metadata={
         "help": "own prompt-completion or conversational data: also the exact match of the greedy completion"})
     num_sequences: int = field(default=200, metadata={"help": "Box sequences over train/validation/test"})
-    train_max_ops: int = 6
-    test_max_ops: int = 26
-    data_seed: int = 2255
-    max_eval_examples: int | None = field(default=1000, metadata={"help": "cap per evaluated split (None = all)"})
+    train_max_ops: int = field(default=6, metadata={
+        "help": "operations per train/validation sequence (contexts hold 0..this many; more is OOD)"})
+    test_max_ops: int = field(default=26, metadata={"help": "operations per test sequence (contexts hold 0..this "
+                                                            "many)"})
+    data_seed: int = field(default=2255, metadata={"help": "seed of the generated Box splits"})
+    # 1134 = 6 whole test sequences (27 prefixes x 7 boxes at --test-max-ops 26): the main job's test set
+    max_eval_examples: int | None = field(default=1134, metadata={
+        "help": "at most this many examples per evaluated split (Box: whole sequences while they fit, then whole "
+                "states of the next at evenly spread numbers of operations, llm_surgery.train.data.cap_records; own "
+                "data: the first ones); none = the whole split"})
 
     # optimisation
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate of the inserted layers (AdamW)"})
     dictionary_lr_scale: float = field(default=1.0, metadata={
         "help": "Flash PD-SSM's dictionary logits train at this multiple of --lr (its selection of transitions can "
                 "drift from where it started faster than the rest learns)"})
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (none on vectors)"})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1, in [0, 1)"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2, in [0, 1)"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
     schedule: str = field(default="constant", metadata={"help": f"{', '.join(SCHEDULES)} (after linear warm-up)"})
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = field(default=0.1, metadata={"help": "linear warm-up over this fraction of the steps"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
     batch_size: int = field(default=8, metadata={"help": "per-process micro-batch"})
-    grad_accum: int = 1
-    epochs: float = 1.0
-    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps (None = run --epochs)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the training split when --max-steps is none"})
+    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps; none = run --epochs"})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "gradient clipping norm (> 0); none = "
                                                                        "no clipping"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "seed of the inserted layers' init and the data order"})
 
     # systems
     mixed_precision: str | None = field(default=None, metadata={
-        "help": f"{', '.join(PRECISIONS)} (auto = bf16 on CUDA, no on CPU); default: Accelerate's setting "
+        "help": f"{', '.join(PRECISIONS)} (auto = bf16 on CUDA, no on CPU); none = Accelerate's setting "
                 "(accelerate config / accelerate launch --mixed_precision, i.e. ACCELERATE_MIXED_PRECISION), else "
                 "auto"})
     fsdp: bool = field(default=False, metadata={"help": "shard host and inserted layers with FSDP2"})
-    cpu: bool = False
+    cpu: bool = field(default=False, metadata={"help": "run on the CPU even where CUDA is available"})
     num_workers: int = field(default=1, metadata={"help": "DataLoader worker processes that collate the next "
                                                           "batches while the GPU trains (0 = in the loop)"})
     ddp_bucket_mb: int = field(default=25, metadata={"help": "DDP gradient bucket size in MiB (all-reduces start "
@@ -133,8 +147,9 @@ class TrainConfig:
                 "--gradient-checkpointing, fp16 and hosts with routed experts"})
 
     # evaluation, logging, checkpoints
-    output_dir: str = "runs/latest"
-    eval_batch_size: int = 32
+    output_dir: str = field(default="runs/latest", metadata={
+        "help": "the run's folder: config, metrics, checkpoints, final/, results.json, accuracy.png"})
+    eval_batch_size: int = field(default=32, metadata={"help": "examples per evaluation batch and process"})
     eval_mode: str = field(default="teacher_forced", metadata={
         "help": "teacher_forced (one forward per batch; exact match = what greedy decoding would give) or "
                 "generate (greedy_complete + the Box scorer; not with --fsdp)"})
@@ -142,9 +157,9 @@ class TrainConfig:
     eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split "
                                                             "before the first step (a baseline row, kept in "
                                                             "checkpoints)"})
-    log_every: int = 10
+    log_every: int = field(default=10, metadata={"help": "a metrics.jsonl record every K steps"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata={"help": "checkpoints of this run kept (older ones deleted)"})
     resume: str | None = field(default=None, metadata={"help": "checkpoint dir or 'latest'; the run's settings "
                                                                 "must equal the checkpoint's"})
     overwrite: bool = field(default=False, metadata={
@@ -152,18 +167,21 @@ class TrainConfig:
                 "starting; without it a fresh run refuses a directory that holds them"})
     memory_check: bool = field(default=True, metadata={
         "help": "refuse a host whose weights need more than half the memory available to a process"})
-    progress: bool = True
-    tensorboard: bool = True
-    plot: bool = True
+    progress: bool = field(default=True, metadata={"help": "a progress bar on the main process"})
+    tensorboard: bool = field(default=True, metadata={"help": "also log to <output-dir>/tensorboard (when "
+                                                              "tensorboard is installed)"})
+    plot: bool = field(default=True, metadata={"help": "write <output-dir>/accuracy.png (when matplotlib is "
+                                                       "installed)"})
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
         """Raise UsageError on impossible settings before any work starts."""
-        def choice(name, allowed):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        def choice(name, allowed, none_ok=False):
+            if getattr(self, name) not in allowed and not (none_ok and getattr(self, name) is None):
+                raise UsageError(f"{name} must be one of {', '.join(allowed)}{' (or none)' if none_ok else ''}, "
+                                 f"got {getattr(self, name)!r}")
 
         def number(name, low, high=math.inf, low_open=False, high_open=True, none_ok=False, hint=""):
             v = getattr(self, name)
@@ -180,7 +198,7 @@ class TrainConfig:
         if len(kinds) > 1 and len(kinds) != self.n:
             raise UsageError(f"kind {self.kind!r} lists {len(kinds)} kinds for n={self.n} layers")
         choice("schedule", SCHEDULES)
-        choice("mixed_precision", (*PRECISIONS, None))
+        choice("mixed_precision", PRECISIONS, none_ok=True)
         choice("host_dtype", HOST_DTYPES)
         choice("tiny_host", ("granite", "nemotron"))
         choice("eval_mode", ("teacher_forced", "generate"))
@@ -272,13 +290,6 @@ def _none_or(conv):
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (the usage of every TrainConfig field would fill a screen)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
-
-
 def build_parser(defaults: dict | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--flag-name` per TrainConfig field (defaults may be overridden by a recipe)."""
     defaults = dict(defaults or {})
@@ -287,14 +298,14 @@ def build_parser(defaults: dict | None = None, prog: str | None = None) -> argpa
     unknown = set(defaults) - names
     if unknown:
         raise ValueError(f"unknown TrainConfig fields in defaults: {sorted(unknown)}")
-    parser = _Parser(prog=prog, description="Train inserted sequence mixers in a frozen host "
-                                     "(llm-surgery). Every option has a default; none is required.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(prog=prog, hint=" (--help lists every option)",
+                    description="Train inserted sequence mixers in a frozen host (llm-surgery). Every option has a "
+                                "default; none is required. A flag that takes none accepts the word none.")
     for f in dataclasses.fields(TrainConfig):
         tp, optional = _unwrap_optional(hints[f.name])
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(dest=f.name, default=default, help=f.metadata.get("help", " "))
+        kw = dict(dest=f.name, default=default, help=f.metadata["help"])
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(tp) is list:

@@ -38,18 +38,28 @@ def check_splits(cfg, world_size: int) -> dict[str, list[dict]]:
 
 
 def cap_records(records: Sequence[dict], max_examples: int | None) -> list[dict]:
-    """The first whole sequences holding at most `max_examples` records (at least one sequence), so that the
-    subset stays uniform over the number of operations and whole-state accuracy stays defined."""
+    """At most `max_examples` records (all when None), taken so that the subset stays as uniform over the number
+    of operations as the cap allows and whole-state accuracy stays defined: whole sequences while they fit, then
+    whole states (every box at one number of operations) of the next sequence at evenly spread numbers of
+    operations. A cap below one state takes the first records."""
     if max_examples is None or len(records) <= max_examples:
         return list(records)
-    out, seq = [], None
+    sequences: dict = {}
     for r in records:
-        if r["sequence_id"] != seq:
-            if len(out) >= max_examples:
-                break
-            seq = r["sequence_id"]
-        out.append(r)
-    return out
+        sequences.setdefault(r["sequence_id"], []).append(r)
+    out = []
+    for seq in sequences.values():
+        if len(out) + len(seq) > max_examples:  # the first sequence that does not fit: some of its states
+            states: dict = {}
+            for r in seq:
+                states.setdefault(r["num_ops"], []).append(r)
+            groups = list(states.values())
+            k = (max_examples - len(out)) // max(len(g) for g in groups)
+            for j in range(k):  # the centres of k equal segments of its numbers of operations
+                out += groups[(2 * j + 1) * len(groups) // (2 * k)]
+            break
+        out += seq
+    return out or list(records[:max_examples])
 
 
 class TokenizedBox(torch.utils.data.Dataset):

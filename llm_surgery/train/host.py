@@ -84,31 +84,56 @@ def model_source(name: str) -> str:
     return name
 
 
-def host_parameters(cfg) -> tuple[int, str] | None:
-    """(parameter count, description) of the configured host from its configuration alone (built on the meta
-    device: no memory, no weights read); None for the embedded tiny host."""
+def meta_host(cfg):
+    """(the configured host on the meta device, its description), from its configuration alone: no weights read,
+    no memory taken. The checks before a run count its parameters and plan the surgery on it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     if cfg.random_init_config:
         from llm_surgery.hosts import HOST_CONFIGS, build_host
 
         if cfg.random_init_config not in HOST_CONFIGS:
             raise UsageError(f"unknown --random-init-config {cfg.random_init_config!r}; known: "
                              f"{', '.join(sorted(HOST_CONFIGS))}")
-        model, desc = build_host(cfg.random_init_config, device="meta"), cfg.random_init_config
-    elif cfg.model:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+        return build_host(cfg.random_init_config, device="meta"), cfg.random_init_config
+    if cfg.model:
         source = model_source(cfg.model)
-        try:
-            config = AutoConfig.from_pretrained(source)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {source}: its config.json does not load "
-                             f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})") from None
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        desc = source
-    else:
+    elif cfg.tiny_host == "granite" and shipped_host_problem(SHIPPED_HOST) is None:
+        source = str(SHIPPED_HOST)
+    else:  # the host `pretrain_host` makes (or has cached)
+        from llm_surgery.box_data import build_box_tokenizer
+
+        return build_tiny(cfg.tiny_host, len(build_box_tokenizer()), cfg.seed, device="meta"), \
+            f"the embedded tiny {cfg.tiny_host} host"
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {source}: its config.json does not load "
+                         f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, source
+
+
+def host_parameters(cfg) -> tuple[int, str] | None:
+    """(parameter count, description) of the configured host from its configuration alone (`meta_host`); None
+    for the embedded tiny host."""
+    if not (cfg.random_init_config or cfg.model):
         return None
+    model, desc = meta_host(cfg)
     return sum(p.numel() for p in model.parameters()), desc
+
+
+def check_surgery(cfg) -> None:
+    """Refuse, before any weights load, kinds, n and positions the configured host cannot take (`plan_insertion`
+    on the host built on the meta device)."""
+    from llm_surgery.insert.surgery import plan_insertion
+
+    model, desc = meta_host(cfg)
+    try:
+        plan_insertion(model, cfg.inserted_kinds(), cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"the surgery refused these settings on {desc}: {e}") from None
 
 
 def available_memory(device: torch.device) -> int:
@@ -240,13 +265,13 @@ def tiny_host_dir(cfg) -> Path:
     return Path(cfg.cache_dir).expanduser() / "hosts" / f"tiny-{cfg.tiny_host}-{digest}"
 
 
-def build_tiny(arch: str, vocab_size: int, seed: int):
+def build_tiny(arch: str, vocab_size: int, seed: int, device: str = "cpu"):
     from llm_surgery.hosts import build_tiny_host
 
     pattern = TINY_HOST["pattern"] if arch == "granite" else "M*-M*-M*-M*-"
     chunk = {"mamba_chunk_size": TINY_HOST["mamba_chunk_size"]} if arch == "granite" else {"chunk_size": 64}
     return build_tiny_host(arch, seed=seed, hidden_size=TINY_HOST["hidden_size"], vocab_size=vocab_size,
-                           pattern=pattern, **chunk)
+                           pattern=pattern, device=device, **chunk)
 
 
 def pretrain_host(cfg, log=logger.info) -> Path:

@@ -1,6 +1,6 @@
 """Pretrain the Box host that ships with the package (`llm_surgery/data/box_host/`).
 
-    python -m llm_surgery.train.make_host --minutes 15          # writes llm_surgery/data/box_host/
+    python -m llm_surgery.train.make_host --out llm_surgery/data/box_host --minutes 15   # replaces the shipped host
 
 The host learns the Box *language*, not the task. Its documents are
 - a description of the boxes followed by 0-6 operation sentences (`Move the cup from Box 2 to Box 5.`), and
@@ -15,7 +15,6 @@ their own random stream (`--doc-seed`), so they share no sequence with the train
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -153,18 +152,23 @@ def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: flo
 
 
 def parser():
+    from llm_surgery.cli import Parser
+
     from .host import SHIPPED_HOST
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(SHIPPED_HOST))
+    p = Parser(prog="python -m llm_surgery.train.make_host", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True,
+                   help="folder to write the host to (required: nothing is written by default); an existing one "
+                        f"must hold a host made here, which is replaced. The shipped host is {SHIPPED_HOST}: pass "
+                        "that path to replace it")
     p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of the pretraining (0 = none)")
     p.add_argument("--steps", type=int, default=3000, help="length of the lr schedule")
     p.add_argument("--stop-at", type=int, default=0, help="stop after this many steps (0 = at --steps)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=32, help="documents per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (every weight trains)")
     p.add_argument("--sequences", type=int, default=12000, help="Box sequences to draw documents from")
-    p.add_argument("--doc-seed", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--doc-seed", type=int, default=1, help="seed of the documents' own random stream")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init and the batch order")
     p.add_argument("--spec", default="{}", help="JSON overrides of SPEC (tiny_config fields)")
     p.add_argument("--init", default=None, help="continue from this saved host (a second session); its spec wins")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
@@ -185,8 +189,36 @@ def save_host(out: Path, model, tokenizer, record: dict) -> None:
     os.replace(tmp, out)
 
 
+def check_args(args) -> None:
+    """Refuse, before any work: an --out that exists and is not a host made here (save_host replaces the whole
+    folder), and an --init that is not one."""
+    from .config import UsageError
+
+    out = Path(args.out)
+    if out.exists() and not (out / "host.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and holds no host made by make_host (no host.json); it would be "
+                         "replaced as a whole: pass a new or empty folder")
+    if args.init and not (Path(args.init) / "host.json").is_file():
+        raise UsageError(f"--init {args.init} is not a host made by make_host (no host.json)")
+    if args.minutes < 0 or args.steps < 1 or args.batch_size < 1 or args.sequences < 1 or not args.lr > 0:
+        raise UsageError("--minutes must be >= 0, --steps, --batch-size and --sequences >= 1, --lr > 0")
+    try:
+        spec = json.loads(args.spec)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--spec must be a JSON object: {e}") from None
+    if not isinstance(spec, dict):
+        raise UsageError(f"--spec must be a JSON object, got {args.spec!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    from .config import UsageError
+
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except UsageError as e:
+        p.error(str(e))
     show_messages()
     if args.threads:
         torch.set_num_threads(args.threads)

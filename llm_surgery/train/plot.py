@@ -7,18 +7,24 @@ Each argument is a run directory (holding results.json) or a results JSON file.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 
 def load_results(path: str | Path) -> dict:
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (pass the --output-dir of a finished run, or its results "
+                                "JSON file)")
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"no results file at {file} (pass a run directory or a results JSON file)")
-    results = json.loads(file.read_text())
-    if "test" not in results or "by_num_ops" not in results["test"]:
+        raise FileNotFoundError(f"no results file at {file}: {path} holds no finished run (pass the --output-dir of "
+                                "a finished run, or its results JSON file)")
+    try:
+        results = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not a results JSON file ({e})") from None
+    if not isinstance(results, dict) or "by_num_ops" not in (results.get("test") or {}):
         raise ValueError(f"{file} is not a trainer results file (no test.by_num_ops)")
     results.setdefault("label", f"{results.get('kind', '?')} ({path.name if path.is_dir() else path.stem})")
     return results
@@ -68,13 +74,19 @@ def plot_run(results: dict, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories or results JSON files")
-    parser.add_argument("-o", "--output", default="accuracy_vs_transitions.png")
-    parser.add_argument("--title", default=None)
+    from llm_surgery.cli import Parser
+
+    parser = Parser(prog="python -m llm_surgery.train.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (--output-dir of a finished run) or results JSON "
+                                                "files")
+    parser.add_argument("-o", "--output", default="accuracy_vs_transitions.png", help="the PNG to write")
+    parser.add_argument("--title", default=None, help="the plot's title; none = 'Box state tracking'")
     args = parser.parse_args(argv)
-    path = plot_accuracy([load_results(r) for r in args.runs], args.output, args.title)
-    print(path)
+    try:  # every run is read before anything is written
+        runs = [load_results(r) for r in args.runs]
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    print(plot_accuracy(runs, args.output, args.title))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
 # ---------------------------------------------------------------- checks before work
 
 def _checks(cfg: TrainConfig, accelerator, log) -> dict:
-    from .host import check_memory, host_parameters, model_source, resolve_dtype
+    from .host import check_memory, check_surgery, host_parameters, model_source, resolve_dtype
     from .outputs import check_fresh, check_resume
 
     out_dir, world = Path(cfg.output_dir), accelerator.num_processes
@@ -91,6 +91,7 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
         found["own"] = _own_data(cfg, world, log)
     if cfg.model and not cfg.random_init_config:
         model_source(cfg.model)
+    check_surgery(cfg)
     host = host_parameters(cfg) if cfg.memory_check else None
     if host is not None:
         check_memory(*host, dtype, accelerator.device, shards=world if cfg.fsdp else 1,
@@ -117,19 +118,27 @@ def _own_data(cfg: TrainConfig, world: int, log):
 
 
 def preflight(cfg: TrainConfig, accelerator, log) -> dict:
-    """Every check that can refuse the run, before any work. The main process first takes the output directory's
-    lock; a failure on any process is raised on every process (so no rank waits for the others). Returns the
+    """Every check that can refuse the run, before any work or file. The main process takes the output
+    directory's lock (before the checks where the directory exists, after them where the run makes it); a failure
+    on any process is raised on every process (so no rank waits for the others). Returns the
     run id (new, or the resumed run's), the checkpoint to resume, the data splits and the lock."""
     from accelerate.utils import gather_object
 
-    from .outputs import acquire_lock, release_lock
+    from .outputs import acquire_lock, check_fresh, release_lock
 
+    out_dir = Path(cfg.output_dir)
     lock, error, found = None, None, {}
-    created = not Path(cfg.output_dir).exists()  # a refused run leaves no directory it made
+    # an existing directory is locked before it is checked; a new one is made only once this process's checks
+    # passed (and checked again: another run may have made it meanwhile), and removed if another process refuses
+    created = not out_dir.exists()
     try:
-        if accelerator.is_main_process:
-            lock = acquire_lock(Path(cfg.output_dir), log)
+        if accelerator.is_main_process and not created:
+            lock = acquire_lock(out_dir, log)
         found = _checks(cfg, accelerator, log)
+        if accelerator.is_main_process and created:
+            lock = acquire_lock(out_dir, log)
+            if not cfg.resume:
+                check_fresh(out_dir, cfg.overwrite)
     except (UsageError, CheckpointError) as e:
         error = e
     except BaseException:
@@ -197,12 +206,20 @@ def train(cfg: TrainConfig) -> dict:
             release_lock(run["lock"])
 
 
+def launch_line(accelerator) -> str:
+    """The run's first log line: processes (and Accelerate's distributed type when there are several), device and
+    mixed precision, with where the precision came from."""
+    n, kind = accelerator.num_processes, accelerator.distributed_type.value
+    precision = "no mixed precision (fp32)" if accelerator.mixed_precision == "no" else \
+        f"mixed precision {accelerator.mixed_precision}"
+    return (f"llm-surgery train: {n} process{'es' if n > 1 else ''}{f' ({kind})' if kind != 'NO' else ''}, device "
+            f"{accelerator.device}, {precision} (from {getattr(accelerator, 'precision_source', 'the launcher')})")
+
+
 def _train(cfg: TrainConfig, accelerator, run: dict, log) -> dict:
     """Set up, train for the run's steps, save and evaluate (nanoGPT's one loop, in `_loop`)."""
     use_cuda_kernels(cfg, accelerator, log)
-    log(f"llm-surgery train: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision} (from "
-        f"{getattr(accelerator, 'precision_source', 'the launcher')})")
+    log(launch_line(accelerator))
     r = _set_up(cfg, accelerator, run, log)
     _loop(r)
     return _finish(r)
@@ -317,9 +334,13 @@ def _build_model(cfg: TrainConfig, accelerator, log):
     model.config.use_cache = False
     n_inserted, n_total = count_parameters(model)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"host {host_desc}: {n_total:,} params; inserted {cfg.n} x {cfg.kind}: {n_inserted:,}; "
-        f"trainable {n_trainable:,} ({len(trainable)} tensors)")
-    return model, tokenizer, host_desc, {"inserted": n_inserted, "total": n_total, "trainable": n_trainable}
+    n_lora = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    n_host = n_total - n_inserted - n_lora
+    log(f"host {host_desc}: {n_host:,} params; inserted {cfg.n} x {cfg.kind}: {n_inserted:,} params"
+        + (f"; LoRA: {n_lora:,} params" if n_lora else "") + f"; all together {n_total:,}; trainable "
+        f"{n_trainable:,} ({len(trainable)} tensors)")
+    return model, tokenizer, host_desc, {"host": n_host, "inserted": n_inserted, "total": n_total,
+                                         "trainable": n_trainable}
 
 
 def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad_to_multiple_of: int):

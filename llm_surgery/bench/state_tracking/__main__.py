@@ -1,6 +1,10 @@
 """python -m llm_surgery.bench.state_tracking --kind pdssm --task parity [--all] [--steps N] [--seeds 0,1,2]
 [--device cuda] [--out results.jsonl]: train and evaluate state-tracking models, one JSON line per run, and a
-summary table (mean accuracy over eval lengths 40..256, mean +- standard error over seeds)."""
+summary table (mean accuracy over the eval lengths, mean +- standard error over seeds).
+
+The defaults are the paper's protocol (100,000 steps x 5 seeds per kind and task): hours per run on a CPU. A first
+run on a CPU, about 2 minutes (too short to learn the task): --steps 300 --seeds 1 --batch-size 32
+--eval-lengths 40,64 --eval-every 0 --retries 0."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ import os
 import sys
 import time
 
+from llm_surgery.cli import HelpFormatter
+from llm_surgery.layers.registry import MIXER_KINDS as KINDS
+
 from .resume import run_dir_name
 from .tasks import TABLE1_TASKS, TASKS
 from .train import (DEFAULT_PRESET, KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRESETS, ROBUST_PDSSM, cli_defaults,
@@ -18,23 +25,31 @@ from .train import (DEFAULT_PRESET, KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRES
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m llm_surgery.bench.state_tracking", description=__doc__)
+    return parser().parse_args(argv)
+
+
+def parser():
+    from llm_surgery.cli import Parser
+
+    p = Parser(prog="python -m llm_surgery.bench.state_tracking", description=__doc__,
+               formatter_class=type("Formatter", (HelpFormatter, argparse.RawDescriptionHelpFormatter), {}))
     p.add_argument("--kind", default="pdssm", help="pdssm, mamba2 or deltanet (comma list allowed)")
     p.add_argument("--task", default="parity", help=f"one of {', '.join(TASKS)} (comma list allowed)")
     p.add_argument("--all", action="store_true", help=f"the paper's Table 1 tasks: {', '.join(TABLE1_TASKS)}")
-    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--steps", type=int, default=100_000, help="training steps per run (the paper's)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="a count N (seeds 0..N-1) or a comma list ('7,' = seed 7)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="append one JSON line per run to this file")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2, help="layers of the model")
     p.add_argument("--d-model", type=int, default=None,
                    help="width (default 128; a one-layer pdssm on a group task: its recipe's, ONE_LAYER_RECIPES)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=256, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--adam-eps", type=float, default=None, help="Adam's epsilon (default: the preset's, else 1e-8)")
     p.add_argument("--curriculum", type=float, default=None,
                    help="fraction of the run over which the longest training length ramps 2 -> 40 "
-                        f"(default: {KIND_DEFAULTS} per kind, else 0)")
+                        "(default: " + ", ".join(f"{k} {v['curriculum_frac']}" for k, v in KIND_DEFAULTS.items()
+                                                 if "curriculum_frac" in v) + ", else 0)")
     p.add_argument("--curriculum-mode", choices=["linear", "adaptive"], default=None,
                    help="linear: the ramp of --curriculum; adaptive: raise the longest length by --curriculum-step "
                         "every 25 steps only while the loss at that length is below --curriculum-threshold "
@@ -46,11 +61,13 @@ def parse_args(argv=None):
                    help="pdssm layer options: 'layer' = FlashPDSSM's defaults (as in the surgery), "
                         f"'robust' = {ROBUST_PDSSM}; 'auto' = robust for --layers 1, else automaton "
                         "(docs/bench/state_tracking.md); --mixer overrides any")
-    p.add_argument("--robust", action="store_const", const="robust", dest="preset", help="= --preset robust")
+    p.add_argument("--robust", action="store_const", const="robust", dest="preset",
+                   help="= --preset robust (default: off)")
     p.add_argument("--restarts", type=int, default=None,
                    help="train R candidates for --restart-frac of the run, continue the best by training loss "
                         "(default: per kind, see --curriculum, else 1)")
-    p.add_argument("--restart-frac", type=float, default=None)
+    p.add_argument("--restart-frac", type=float, default=None,
+                   help="fraction of the run the --restarts candidates train for (default: per kind)")
     p.add_argument("--retries", type=int, default=None,
                    help="train a run that ends unfit (training loss above --retry-loss after its whole budget) "
                         "again from a new seed, up to this many times (default: pdssm 1, others 0)")
@@ -66,7 +83,7 @@ def parse_args(argv=None):
                         "40..256 during training; stop once every length is perfect (0: no validation)")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds of training per run (0: no limit)")
     p.add_argument("--eval-lengths", default="40:257:24", help="start:stop:step or a comma list")
-    p.add_argument("--eval-batch", type=int, default=256)
+    p.add_argument("--eval-batch", type=int, default=256, help="sequences per evaluation length")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (subprocesses, one torch thread each)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="make the runs resumable: one folder per run here, a checkpoint at every validation; the "
@@ -74,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--pause-after", type=float, default=None,
                    help="with --checkpoint-dir: pause every run this many seconds after the start (checkpointed; "
                         "exit status 3 while runs remain paused)")
-    return p.parse_args(argv)
+    return p
 
 
 def _seeds(text: str) -> list[int]:
@@ -82,7 +99,7 @@ def _seeds(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s] if "," in text else list(range(int(text)))
     except ValueError:
-        raise SystemExit(f"--seeds must be a count or a comma list of integers, got {text!r}") from None
+        raise ValueError(f"--seeds must be a count or a comma list of integers, got {text!r}") from None
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -97,13 +114,21 @@ def _mean_se(values: list[float]) -> str:
     return f"{m:.1f} ± {se:.1f}"
 
 
+def length_span(rows: list[dict]) -> str:
+    """The evaluation lengths the rows' accuracy averages over: '40..256', or '40, 64' for one or two."""
+    lengths = sorted({int(k) for r in rows for k in r.get("acc", {})})
+    if not lengths:
+        return "over the eval lengths"
+    return f"{lengths[0]}..{lengths[-1]}" if len(lengths) > 2 else ", ".join(map(str, lengths))
+
+
 def summarize(rows: list[dict]) -> str:
     """Markdown table: one row per (kind, task), mean +- standard error over seeds of the mean accuracy, of the
     final weights and (where every run validated) of the validation-selected ones."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kind"], r["task"]), []).append(r)
-    lines = ["| kind | task | seeds | acc 40..256 (%) | validation-selected (%) | per seed |",
+    lines = [f"| kind | task | seeds | acc {length_span(rows)} (%) | validation-selected (%) | per seed |",
              "| --- | --- | --- | --- | --- | --- |"]
     for (kind, task), runs in sorted(groups.items()):
         accs = [100 * r["acc_mean"] for r in runs]
@@ -114,15 +139,37 @@ def summarize(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def build_configs(args) -> list:
+    """One TrainConfig per kind, task and seed; a ValueError names a flag the runs cannot take (before any run)."""
+    from llm_surgery.cli import check_device
+
+    check_device(args.device)
     tasks = list(TABLE1_TASKS) if args.all else args.task.split(",")
     for t in tasks:
         if t not in TASKS:
-            raise SystemExit(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
-    extra = json.loads(args.mixer)
+            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    kinds = args.kind.split(",")
+    for k in kinds:
+        if k not in KINDS:
+            raise ValueError(f"unknown kind {k!r}; choose from {', '.join(KINDS)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    try:
+        extra = json.loads(args.mixer)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--mixer must be a JSON object: {e}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--mixer must be a JSON object, got {args.mixer!r}")
+    try:
+        lengths = _lengths(args.eval_lengths)
+    except ValueError:
+        raise ValueError(f"--eval-lengths must be start:stop:step or a comma list, got {args.eval_lengths!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--eval-lengths {args.eval_lengths!r} gives no positive length")
+    if args.pause_after is not None and not args.checkpoint_dir:
+        raise ValueError("--pause-after needs --checkpoint-dir (where the paused runs are kept)")
     configs = []
-    for kind in args.kind.split(","):
+    for kind in kinds:
         for task in tasks:
             # a one-layer pdssm on a group task starts from that task's recipe (sizes, dictionary); flags win
             recipe = ONE_LAYER_RECIPES.get(task, {}) if kind == "pdssm" and args.layers == 1 else {}
@@ -137,10 +184,21 @@ def main(argv=None) -> int:
                     tau_end=args.tau_end, seed=seed, device=args.device, eval_every=args.eval_every,
                     time_limit_s=args.time_limit, restarts=args.restarts, restart_frac=args.restart_frac,
                     retries=args.retries, retry_loss=args.retry_loss,
-                    eval_lengths=_lengths(args.eval_lengths), eval_batch=args.eval_batch,
+                    eval_lengths=lengths, eval_batch=args.eval_batch,
                     cuda_graphs=False if args.no_cuda_graphs else None))
-    if args.pause_after is not None and not args.checkpoint_dir:
-        raise SystemExit("--pause-after needs --checkpoint-dir (where the paused runs are kept)")
+    if not configs:
+        raise ValueError(f"--seeds {args.seeds!r} gives no seed")
+    return configs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        configs = build_configs(args)
+    except (ValueError, TypeError) as e:
+        parser().error(str(e))
+    print(f"{len(configs)} run(s) of {args.steps:,} steps on {args.device} (--steps, --seeds, --device; --help "
+          "lists the defaults)", flush=True)
     rows, paused = [], []
     quick = args.device.startswith("cuda") and not args.full_autotune
     run_dirs = ([os.path.join(args.checkpoint_dir, run_dir_name(c)) for c in configs] if args.checkpoint_dir
@@ -155,7 +213,7 @@ def main(argv=None) -> int:
         rows.append(r)
         sel = (f", validation-selected {100 * r['acc_selected_mean']:.1f}% (step {r['val_best_step']})"
                if "acc_selected_mean" in r else "")
-        print(f"{r['kind']} {r['task']} seed {r['seed']}: acc 40..256 {100 * r['acc_mean']:.1f}%, at "
+        print(f"{r['kind']} {r['task']} seed {r['seed']}: acc {length_span([r])} {100 * r['acc_mean']:.1f}%, at "
               f"{max(map(int, r['acc']))}: {100 * r['acc_max_len']:.1f}%{sel} ({r['steps_run']} steps, "
               f"{r['seconds']}s)", flush=True)
         if args.out:
@@ -165,7 +223,7 @@ def main(argv=None) -> int:
     if paused:
         print(f"{len(paused)} runs paused: the same command continues them")
         return 3
-    return 0
+    return 0 if len(rows) == len(configs) else 1  # a run that failed said so above
 
 
 def _run_all(configs, jobs: int, quick_autotune: bool = False, run_dirs=None, deadline: float | None = None):
