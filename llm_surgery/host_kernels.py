@@ -1,9 +1,9 @@
 """Run the host's own Mamba2 layers on mamba-ssm's Triton kernels on CUDA.
 
-transformers picks a Mamba2 implementation for Granite-4.0 / Nemotron-H once, when their modeling module is
-imported: mamba-ssm if its *package* imports, else a plain torch reference. A Triton-only mamba-ssm install (no
-compiled `selective_scan_cuda`, the usual offline case) fails that import, so a frozen host's 36-odd Mamba2
-layers run the torch reference: measured on an H200, a random-weight granite-4.0-h-micro trained 183 tokens/s
+transformers picks a Mamba2 implementation for Granite-4.0 / Nemotron-H (and Falcon-H1, Bamba, Zamba2) once, when
+their modeling module is imported: mamba-ssm if its *package* imports, else a plain torch reference. A Triton-only
+mamba-ssm install (no compiled `selective_scan_cuda`, the usual offline case) fails that import, so a frozen host's
+36-odd Mamba2 layers run the torch reference: measured on an H200, a random-weight granite-4.0-h-micro trained 183 tokens/s
 per GPU with 69 GiB peak (docs/bench/train.md). The SSD chunk scan and the decode update need no compiled code:
 `layers.mamba2.mamba_kernels()` loads them, and this module points the host modules' module-level functions at
 them for CUDA tensors (CPU tensors keep the reference). The fused training path
@@ -17,9 +17,11 @@ import functools
 import importlib
 import inspect
 
-# modeling modules whose Mamba2 layers call these module-level functions at run time
-HOST_MODULES = ("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
-                "transformers.models.nemotron_h.modeling_nemotron_h")
+# modeling modules whose Mamba2 (or other convolution-carrying) layers call these module-level functions at run time;
+# a module without one of the functions is left alone for that function
+HOST_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in (
+    "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "zamba2", "jamba", "qwen3_next", "qwen3_5", "lfm2",
+    "olmo_hybrid"))
 _PATCHED = "_llm_surgery_cuda_kernel"
 
 
@@ -66,11 +68,14 @@ def _route_in_hosts(routes: dict) -> dict[str, list[str]]:
 
 
 def keep_cpu_convolutions_in_torch() -> list[str]:
-    """Where causal-conv1d is installed, transformers' hybrid layers call its CUDA-only kernels for CPU tensors too
-    (a host moved to the CPU fails with "Expected x.is_cuda() to be true"): send CPU tensors to the torch function
+    """Where causal-conv1d (or fla) is installed, transformers' hybrid layers call its CUDA-only kernels for CPU
+    tensors too (a host moved to the CPU fails with "Expected x.is_cuda() to be true", or Triton's "cannot be
+    accessed from Triton (cpu tensor?)" in Qwen3-Next's gated delta rule): send CPU tensors to the torch function
     that transformers' decorator wraps. Idempotent; returns the functions routed ("module.function")."""
     wrapped = lambda fn: None if getattr(fn, "__wrapped__", None) is None else (fn.__wrapped__, fn)  # noqa: E731
-    done = _route_in_hosts({"causal_conv1d_fn": wrapped, "causal_conv1d_update": wrapped})
+    done = _route_in_hosts({name: wrapped for name in ("causal_conv1d_fn", "causal_conv1d_update",
+                                                       "torch_chunk_gated_delta_rule",
+                                                       "torch_recurrent_gated_delta_rule")})
     return [f"{module}.{attr}" for module, attrs in done.items() for attr in attrs]
 
 

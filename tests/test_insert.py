@@ -7,7 +7,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache
 
 from llm_surgery.hosts import build_tiny_host
 from llm_surgery.insert import (InsertedBlock, count_parameters, insert_layers, inserted_layers, inserted_specs,
@@ -488,10 +488,9 @@ def test_errors_on_bad_arguments(host_dirs):
     with pytest.raises(ValueError, match="exactly n kinds"):
         insert_layers(model, ["mamba2"], 2)
     assert not inserted_layers(model) and all(p.requires_grad for p in model.parameters())  # untouched
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="unsupported architecture LlamaForCausalLM.*Granite.*Nemotron"):
-        insert_layers(llama, "mamba2", 1)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2))  # no `layers` list
+    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel.*add a row"):
+        insert_layers(gpt2, "mamba2", 1)
     with pytest.raises(TypeError, match="transformers model"):
         insert_layers(torch.nn.Linear(2, 2), "mamba2", 1)
     insert_layers(model, "mamba2", 1)

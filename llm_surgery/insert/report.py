@@ -1,5 +1,5 @@
-"""Parameter report: insert 4 layers of each kind into the real host configurations (built on the meta device, so
-nothing is allocated) and print a markdown table of the inserted share of the model.
+"""Parameter report: insert 4 layers of each kind into the real host configurations (`llm_surgery.hosts.HOST_CONFIGS`,
+built on the meta device, so nothing is allocated) and print a markdown table of the inserted share of the model.
 
     python -m llm_surgery.insert.report [--n 4]
 """
@@ -11,7 +11,7 @@ import argparse
 from llm_surgery.hosts import HOST_CONFIGS, build_host
 from llm_surgery.layers.registry import MIXER_KINDS
 
-from .host import attention_layers
+from .host import attention_layers, decoder_layers
 from .surgery import count_parameters, insert_layers, inserted_specs, remove_inserted
 
 
@@ -21,7 +21,8 @@ def parameter_rows(n: int = 4, hosts=None) -> list[dict]:
     for name in hosts or HOST_CONFIGS:
         model = build_host(name, device="meta")
         host_params = sum(p.numel() for p in model.parameters())
-        row = {"host": name, "host_params": host_params, "attention_layers": attention_layers(model.model)}
+        row = {"host": name, "host_params": host_params, "attention_layers": attention_layers(model.model),
+               "layers": len(decoder_layers(model.model))}
         for kind in MIXER_KINDS:
             insert_layers(model, kind, n)
             row["positions"] = [s.layer_idx for s in inserted_specs(model)]
@@ -37,7 +38,9 @@ def markdown(rows: list[dict], n: int) -> str:
     lines = [head, "|" + " --- |" * (4 + len(MIXER_KINDS))]
     for r in rows:
         cells = [f"{r[k][0] / 1e6:.1f}M ({100 * r[k][0] / r[k][1]:.2f}%)" for k in MIXER_KINDS]
-        lines.append(f"| {r['host']} | {r['host_params'] / 1e9:.2f}B | {r['attention_layers']} | {r['positions']} | "
+        attn = r["attention_layers"]
+        attn = f"all {len(attn)}" if len(attn) == r.get("layers") else attn
+        lines.append(f"| {r['host']} | {r['host_params'] / 1e9:.2f}B | {attn} | {r['positions']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 

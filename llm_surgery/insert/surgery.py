@@ -1,4 +1,4 @@
-"""Insert new sequence-mixing layers in front of a hybrid host's attention blocks, without renumbering anything.
+"""Insert new sequence-mixing layers in front of a host's attention blocks, without renumbering anything.
 
 How (see docs/design.md and the transformers-hybrid-internals note): the host's layer loop indexes its config by
 position, so nothing is added to `model.layers`. Instead each chosen attention decoder layer gets a child
@@ -28,7 +28,7 @@ from llm_surgery.layers.common import check_mask_values
 
 from . import state
 from .block import InsertedBlock
-from .host import attention_layers, base_model, dtype_and_device, norm_eps
+from .host import attention_layers, base_model, decoder_layers, dtype_and_device, norm_eps
 
 _ATTR = "_llm_surgery"
 
@@ -60,6 +60,7 @@ class _Surgery:
     specs: list[LayerSpec]
     undo: list = field(default_factory=list)  # what remove_inserted runs, last first (requires_grad stays)
     mask: object = None  # the decoder stack's attention_mask argument during its forward
+    generation_mask: object = None  # generate()'s 2-D mask for the next forward (see _prepare_inputs_for_generation)
 
 
 # ----------------------------------------------------------------------------------------------------- checks
@@ -140,6 +141,9 @@ def _layer_pre_hook(surgery: _Surgery, layer, args, kwargs):
 def _capture_mask(surgery: _Surgery, mask_arg: int, module, args, kwargs):
     mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[mask_arg] if len(args) > mask_arg
                                                                       else None)
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2) and not (
+            isinstance(mask, dict) and "linear_attention" in mask) and surgery.generation_mask is not None:
+        mask = surgery.generation_mask  # the host got only its attention masks (generate() with a StaticCache)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype != torch.bool:
         # Checked once per model forward and handed on as bool: each inserted mixer would otherwise check the
         # same values again, one host sync per layer.
@@ -149,7 +153,16 @@ def _capture_mask(surgery: _Surgery, mask_arg: int, module, args, kwargs):
 
 
 def _release_mask(surgery: _Surgery, module, args, kwargs, output):
-    surgery.mask = None
+    surgery.mask = surgery.generation_mask = None
+
+
+def _prepare_inputs_for_generation(surgery: _Surgery, model, *args, **kwargs):
+    """generate() turns its 2-D padding mask into the host's attention masks when the cache is compilable
+    (`StaticCache`); hybrid hosts' masks keep a 2-D "linear_attention" entry, dense hosts' do not. Keep the 2-D
+    mask for the next forward's inserted layers (`_recurrent_mask` trims it to the tokens that forward sees)."""
+    mask = kwargs.get("attention_mask")
+    surgery.generation_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    return type(model).prepare_inputs_for_generation(model, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------ surgery
@@ -172,11 +185,11 @@ def _check_specs(base, specs: list[LayerSpec]) -> None:
     """Every spec names an attention block of this host, consistently, at most once (load_inserted reads them
     from a file)."""
     attn = attention_layers(base)
-    seen = set()
+    seen, n_layers = set(), len(decoder_layers(base))
     for s in specs:
         idx, pos = s.layer_idx, s.attention_position
-        if not (isinstance(idx, int) and 0 <= idx < len(base.layers)):
-            raise ValueError(f"layer_idx {idx!r} is out of range: this host has {len(base.layers)} decoder layers")
+        if not (isinstance(idx, int) and 0 <= idx < n_layers):
+            raise ValueError(f"layer_idx {idx!r} is out of range: this host has {n_layers} decoder layers")
         if idx in seen:
             raise ValueError(f"layer_idx {idx} appears twice; each attention block takes at most one layer")
         seen.add(idx)
@@ -220,12 +233,13 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
                          f"{[s.layer_idx for s in existing.specs]}); insert into a fresh host, or call "
                          "remove_inserted(model) first")
     _check_specs(base, specs)
-    taken = [s.layer_idx for s in specs if hasattr(base.layers[s.layer_idx], "pre_ssm")]
+    layers = decoder_layers(base)
+    taken = [s.layer_idx for s in specs if hasattr(layers[s.layer_idx], "pre_ssm")]
     if taken:
         raise ValueError(f"decoder layers {taken} already have a 'pre_ssm' attribute; insert into a fresh host")
     keep_cpu_convolutions_in_torch()  # a host on the CPU must run where causal-conv1d (CUDA only) is installed
     hidden, eps = int(base.config.hidden_size), norm_eps(base)
-    blocks = [_build_block(s, hidden, eps, *dtype_and_device(base.layers[s.layer_idx])) for s in specs]
+    blocks = [_build_block(s, hidden, eps, *dtype_and_device(layers[s.layer_idx])) for s in specs]
     if prepare is not None:
         prepare({s.layer_idx: b for s, b in zip(specs, blocks)})
     mask_arg = list(inspect.signature(base.forward).parameters).index("attention_mask")
@@ -236,7 +250,7 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
         for p, _ in flags:
             p.requires_grad_(False)
         for spec, block in zip(specs, blocks):
-            layer = base.layers[spec.layer_idx]
+            layer = layers[spec.layer_idx]
             if getattr(layer, "gradient_checkpointing", False):  # checkpointing was enabled before the surgery
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = layer._gradient_checkpointing_func
@@ -254,6 +268,9 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
             if InsertedBlock.__name__ not in names:  # FSDP auto-wrap / device_map treat each block as one unit
                 _set(surgery.undo, m, "_no_split_modules", names + [InsertedBlock.__name__])
             _set(surgery.undo, m, "save_pretrained", types.MethodType(_save_pretrained, m))
+        if callable(getattr(type(model), "prepare_inputs_for_generation", None)):
+            _set(surgery.undo, model, "prepare_inputs_for_generation",
+                 types.MethodType(partial(_prepare_inputs_for_generation, surgery), model))
         _set(surgery.undo, base, _ATTR, surgery)
     except BaseException:
         for fn in reversed(surgery.undo):
@@ -265,7 +282,8 @@ def _insert(model, specs: list[LayerSpec], prepare=None):
 
 
 def insert_layers(model, kind, n: int, positions=None, **layer_options):
-    """Insert one new layer directly before each of `n` attention blocks of a frozen Granite 4.0 / Nemotron-H host.
+    """Insert one new layer directly before each of `n` attention blocks of a frozen host (any family of
+    `host.FAMILIES`, or shaped like them: docs/hosts.md).
 
     kind: "pdssm", "mamba2" or "deltanet", or a list of n kinds (paired with `positions` in order).
     positions: indices into the host's attention blocks (0 = first attention block). Default: n blocks spread
@@ -305,8 +323,8 @@ def inserted_specs(model) -> list[LayerSpec]:
 
 def inserted_layers(model) -> dict[int, InsertedBlock]:
     """{decoder layer index: inserted block} (empty if nothing was inserted)."""
-    base = base_model(model)
-    return {s.layer_idx: base.layers[s.layer_idx].pre_ssm for s in inserted_specs(model)}
+    layers = decoder_layers(base_model(model))
+    return {s.layer_idx: layers[s.layer_idx].pre_ssm for s in inserted_specs(model)}
 
 
 def set_tau(model, tau: float) -> int:
