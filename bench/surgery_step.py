@@ -1,8 +1,9 @@
 """One training step of a real-size host with inserted layers, per mixer kind, plus CUDA-vs-CPU agreement.
 
 For each kind this
-  1. builds a random-weight host with a real configuration (default granite-4.0-h-micro, all 40 layers, bf16, on
-     the GPU), inserts 4 layers (one before each attention block), and times full training steps
+  1. builds a random-weight host with a real configuration (`--host`: any name of llm_surgery.hosts.HOST_CONFIGS,
+     dense or hybrid; default granite-4.0-h-micro, all 40 layers, bf16, on the GPU), inserts 4 layers (one
+     before each of 4 attention blocks spread over depth), and times full training steps
      (forward + backward + AdamW on the inserted layers, host frozen): tokens/s and peak memory;
   2. builds a smaller real-width host in float32 on the CPU (default granite-4.0-h-350m cut to 14 layers: 2
      attention blocks), inserts layers with non-zero out_proj, and compares its logits with the same weights moved
@@ -13,6 +14,7 @@ needs more than an H100's 80 GB under transformers 5.17); the inserted layers ru
 fla's layers, our pd_scan CUDA) where available.
 
     PYTHONPATH=$PWD python bench/surgery_step.py [--host granite-4.0-h-micro --layers 40 --batch 1 --seq 2048]
+    PYTHONPATH=$PWD python bench/surgery_step.py --host falcon-h1-0.5b --check-host falcon-h1-0.5b --check-layers 4
     python bench/surgery_step.py --device cpu --layers 16 --seq 64 --steps 1   # smoke run without a GPU
 
 `--rounds R` times the kinds R times in turn (mamba2, pdssm, pdssm, mamba2, ...) in one process and reports each
