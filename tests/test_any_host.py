@@ -347,10 +347,27 @@ def test_cuda_matches_cpu_generates_and_trains(model_type, kind):
     assert torch.equal(model.generate(batch, attention_mask=mask, do_sample=False, **GEN),
                        model.generate(batch, attention_mask=mask, do_sample=False, use_cache=False, **GEN))
     model.train()
-    model(x.cuda(), labels=x.cuda(), use_cache=False).loss.backward()
+    loss = model(x.cuda(), labels=x.cuda(), use_cache=False).loss
+    if model_type == "qwen3_next" and _fla_refuses_gated_backward():
+        with pytest.raises(RuntimeError, match="Triton >= 3.4.0 and < 3.7.1 on Hopper"):
+            loss.backward()  # fla's own guard on the host's gated delta rule (docs/hosts.md)
+        return
+    loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for b in inserted_layers(model).values() for p in b.parameters())
     assert all(p.grad is None for n, p in model.named_parameters() if ".pre_ssm." not in n)
+
+
+def _fla_refuses_gated_backward() -> bool:
+    """fla refuses the gated delta rule's backward on Hopper with Triton in [3.4, 3.7.1) unless tilelang is there
+    (a wrong-results bug of those Tritons): Qwen3-Next hosts cannot be trained through there."""
+    import importlib.util
+
+    import triton
+
+    version = tuple(int(v) for v in triton.__version__.split("+")[0].split(".")[:3])
+    return (torch.cuda.get_device_capability()[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
+            and importlib.util.find_spec("tilelang") is None)
 
 
 def test_cpu_host_runs_where_fla_is_installed(monkeypatch):
