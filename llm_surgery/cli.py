@@ -46,6 +46,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{self.hint}\n")
 
 
+def json_object(text: str, flag: str, error=ValueError) -> dict:
+    """A flag's JSON-object value (`--mixer-options '{"dict_size": 32}'`), or `error` naming the flag and why not."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{flag} must be a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def check_device(device: str) -> None:
     """A `--device` this machine has (cpu, cuda, cuda:N), or a ValueError saying why not: before any work, instead
     of every run failing on its own."""

@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from llm_surgery.cli import Parser
+from llm_surgery.cli import Parser, json_object
 from llm_surgery.layers.registry import MIXER_KINDS as KINDS, constructor_options
 
 SCHEDULES = ("constant", "cosine")
@@ -246,13 +246,7 @@ class TrainConfig:
         return self.kind if "+" not in self.kind else self.kind.split("+")
 
     def mixer_kwargs(self) -> dict:
-        try:
-            opts = json.loads(self.mixer_options)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"mixer_options must be a JSON object, got {self.mixer_options!r}: {e}") from None
-        if not isinstance(opts, dict):
-            raise UsageError(f"mixer_options must be a JSON object, got {self.mixer_options!r}")
-        return opts
+        return json_object(self.mixer_options, "mixer_options", UsageError)
 
     def resume_settings(self, world_size: int, mixed_precision: str) -> dict:
         """What a checkpoint records and a resume must match: every field but MAY_CHANGE_ON_RESUME, the mixer

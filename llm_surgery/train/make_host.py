@@ -192,6 +192,8 @@ def save_host(out: Path, model, tokenizer, record: dict) -> None:
 def check_args(args) -> None:
     """Refuse, before any work: an --out that exists and is not a host made here (save_host replaces the whole
     folder), and an --init that is not one."""
+    from llm_surgery.cli import json_object
+
     from .config import UsageError
 
     out = Path(args.out)
@@ -202,12 +204,7 @@ def check_args(args) -> None:
         raise UsageError(f"--init {args.init} is not a host made by make_host (no host.json)")
     if args.minutes < 0 or args.steps < 1 or args.batch_size < 1 or args.sequences < 1 or not args.lr > 0:
         raise UsageError("--minutes must be >= 0, --steps, --batch-size and --sequences >= 1, --lr > 0")
-    try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--spec must be a JSON object: {e}") from None
-    if not isinstance(spec, dict):
-        raise UsageError(f"--spec must be a JSON object, got {args.spec!r}")
+    spec = json_object(args.spec, "--spec", UsageError)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from llm_surgery.cli import HelpFormatter
+from llm_surgery.cli import HelpFormatter, json_object
 from llm_surgery.layers.registry import MIXER_KINDS as KINDS
 
 from .resume import run_dir_name
@@ -154,12 +154,7 @@ def build_configs(args) -> list:
             raise ValueError(f"unknown kind {k!r}; choose from {', '.join(KINDS)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
-    try:
-        extra = json.loads(args.mixer)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--mixer must be a JSON object: {e}") from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"--mixer must be a JSON object, got {args.mixer!r}")
+    extra = json_object(args.mixer, "--mixer")
     try:
         lengths = _lengths(args.eval_lengths)
     except ValueError:
