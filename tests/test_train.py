@@ -344,7 +344,7 @@ def test_two_process_gloo_run_killed_and_resumed(tmp_path, tiny_host_dir):
     common = ["--model", str(tiny_host_dir), "--kind", "mamba2", "--max-steps", "4", "--save-every", "2", *SMALL]
     full = tmp_path / "full"
     proc = _launch([*common, "--output-dir", str(full)], _env())
-    assert "2 process(es), MULTI_CPU" in proc.stdout  # really two ranks on gloo, not two copies of one
+    assert "2 processes (MULTI_CPU)" in proc.stdout  # really two ranks on gloo, not two copies of one
     res = json.loads((full / "results.json").read_text())
     assert res["num_processes"] == 2 and res["test"]["num_examples"] > 0 and "ood" in res["test"]
     assert (full / "final" / "inserted.json").is_file() and (full / "final" / "inserted.safetensors").is_file()
@@ -387,7 +387,7 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes(tmp_path, tiny_host_
     ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
     _launch([*common, "--output-dir", str(ddp)], _env())
     proc = _launch([*common, "--output-dir", str(fsdp)], _env(), script=script)
-    assert "2 process(es), FSDP" in proc.stdout
+    assert "2 processes (FSDP)" in proc.stdout
     losses = lambda run: {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
     ref = losses(ddp)
     assert sorted(losses(fsdp)) == [1, 2, 3, 4]

@@ -1,7 +1,11 @@
-"""Does an inserted layer use what it remembers? `tokens_alone(model)` makes every inserted mixer see each token as
-a sequence of its own (no recurrent state, no convolution over earlier tokens) while the host runs unchanged, so
-an evaluation inside it measures what the layers add as per-token transforms; the gap to the normal evaluation is
-what their memory adds."""
+"""What do the inserted layers add? Two evaluations against the normal one tell:
+
+`host_alone(model)`: the inserted layers' output projections at zero, as at insertion, so the model computes exactly
+what the host does; the trainer evaluates the host alone so at the end of a run, not before its first step.
+
+`tokens_alone(model)`: every inserted mixer sees each token as a sequence of its own (no recurrent state, no
+convolution over earlier tokens) while the host runs unchanged, so an evaluation inside it measures what the layers
+add as per-token transforms; the gap to the normal evaluation is what their memory adds."""
 
 from __future__ import annotations
 
@@ -14,6 +18,28 @@ from .surgery import inserted_layers
 # one-token sequences per mixer call: mamba-ssm's scan puts the batch in a CUDA grid dimension (at most 65,535), and
 # a test batch of 64 long Box examples makes ~60,000 (an illegal memory access on an H100)
 MAX_SEQUENCES = 8192
+
+
+@contextmanager
+def host_alone(model):
+    """Within the block the inserted layers add exactly nothing (each `out_proj` zeroed in place, as
+    `insert_layers` leaves it); the trained weights are restored on exit, also after an error. In place, so
+    sharded (FSDP) parameters and captured CUDA graphs see the same storage."""
+    blocks = list(inserted_layers(model).values())
+    if not blocks:
+        raise ValueError("host_alone: the model has no inserted layers")
+    params = [p for b in blocks for p in (b.mixer.out_proj.weight, getattr(b.mixer.out_proj, "bias", None))
+              if p is not None]
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+        for p in params:
+            p.zero_()
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for p, kept in zip(params, saved):
+                p.copy_(kept)
 
 
 @contextmanager

@@ -155,8 +155,8 @@ class TrainConfig:
                 "generate (greedy_complete + the Box scorer; not with --fsdp)"})
     eval_every: int = field(default=0, metadata={"help": "validation every K steps (0 = only at the end)"})
     eval_host: bool = field(default=True, metadata={"help": "also evaluate the host alone on the test split "
-                                                            "before the first step (a baseline row, kept in "
-                                                            "checkpoints)"})
+                                                            "at the end (a baseline row; the inserted layers' "
+                                                            "outputs zeroed, as at insertion)"})
     log_every: int = field(default=10, metadata={"help": "a metrics.jsonl record every K steps"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every K steps (0 = none)"})
     keep_last: int = field(default=2, metadata={"help": "checkpoints of this run kept (older ones deleted)"})

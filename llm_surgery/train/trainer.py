@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from llm_surgery.insert.ablation import host_alone
+
 from .artifact import save_final
 from .checkpoint import (CheckpointError, checkpoint_run_id, list_checkpoints, load_checkpoint, read_state,
                          resolve_checkpoint, save_checkpoint)
@@ -374,18 +376,13 @@ def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad
 
 
 def _start(r: _Run, resume_path) -> None:
-    """Where the run starts. Fresh: the inserted layers start as the identity (out_proj = 0), so evaluated now the
-    model is the host alone. Resumed: the checkpoint's weights, optimizer, scheduler and host-alone figures (under
-    FSDP a forward before loading would break the load), the metrics log cut back to its step, and the data from
-    the same position."""
+    """Where the run starts. Resumed: the checkpoint's weights, optimizer and scheduler, the metrics log cut back to
+    its step, and the data from the same position. Nothing is evaluated before the first step: the host alone is
+    evaluated at the end (`_host_alone`)."""
     cfg, acc = r.cfg, r.accelerator
-    if cfg.eval_host and resume_path is None:
-        r.host_alone = _evaluate_own(r) if r.own is not None else evaluate(
-            acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
     if resume_path is not None:
         state = load_checkpoint(acc, resume_path, r.model, r.optimizer, r.scheduler)
         r.start_step = int(state["step"])
-        r.host_alone = state.get("host_alone")
         r.log(f"resumed from {resume_path} at step {r.start_step}")
     if acc.is_main_process:
         if resume_path is not None:
@@ -535,6 +532,19 @@ def _validate(r: _Run, done: int) -> None:
     r.meter.resume()
 
 
+def _host_alone(r: _Run) -> None:
+    """The host alone (`--eval-host`) on the test split, or on every eval split of own data: the trained layers'
+    outputs zeroed as at insertion, which gives exactly the host's function. At the end rather than before the
+    first step, so a run starts training at once (on a recipe's whole Box test split this evaluation took longer
+    than the start-up itself)."""
+    cfg, acc = r.cfg, r.accelerator
+    if not cfg.eval_host:
+        return
+    with r.profile.evaluation("host alone"), host_alone(acc.unwrap_model(r.model)):
+        r.host_alone = _evaluate_own(r) if r.own is not None else evaluate(
+            acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+
+
 def _evaluate_own(r: _Run, names=None) -> dict:
     """Own data: loss, perplexity, token accuracy (and with --eval-generate greedy exact match) per eval split."""
     from .own_data import evaluate_own
@@ -557,8 +567,7 @@ def _checkpoint(r: _Run, done: int) -> None:
     position = {"micro_batches": done * cfg.grad_accum, **_position(r.sampler, done * cfg.grad_accum)}
     save_checkpoint(acc, r.ckpt_root, done, r.model, r.optimizer, r.scheduler, position, cfg.keep_last,
                     extra={"kind": cfg.kind, "total_steps": r.total_steps, "run_id": r.run_id,
-                           "settings": cfg.resume_settings(acc.num_processes, acc.mixed_precision),
-                           "host_alone": r.host_alone})
+                           "settings": cfg.resume_settings(acc.num_processes, acc.mixed_precision)})
     r.meter.resume()
 
 
@@ -576,6 +585,7 @@ def _finish(r: _Run) -> dict:
         val = evaluate(acc, r.model, r.tokenizer, r.val_set, cfg.train_max_ops, cfg.eval_mode)
     with r.profile.evaluation("test"):
         test = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+    _host_alone(r)
     results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
                "throughput": throughput, "num_processes": acc.num_processes,
                "distributed_type": acc.distributed_type.value,
@@ -595,6 +605,7 @@ def _finish_own(r: _Run, throughput: dict) -> dict:
     cfg, acc = r.cfg, r.accelerator
     with r.profile.evaluation("test"):
         evals = _evaluate_own(r)
+    _host_alone(r)
     results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
                "throughput": throughput, "num_processes": acc.num_processes,
                "distributed_type": acc.distributed_type.value, "run_id": r.run_id,
