@@ -43,10 +43,16 @@ def test_merging_automata_are_not_permutations_and_gather_form_fails():
     assert column.tolist() == [0, 1, 0, 0, 0, 0]
 
 
-def test_dictionary_logits_argmax_recovers_transitions():
-    dfa = CASES["s3"]
-    M = automata.dictionary_logits(dfa)
-    assert torch.equal(M.argmax(dim=1), automata.pd_dictionary(dfa))
+def test_dictionary_logits_put_the_margin_at_each_transition():
+    """Column q of symbol a's logits holds `margin` at row delta(q, a) and 0 elsewhere (read off the DFA's table, on
+    an automaton that merges states, so rows and columns cannot be swapped unnoticed)."""
+    dfa = CASES["random_merging"]
+    M = automata.dictionary_logits(dfa, margin=2.5)
+    expected = torch.zeros(dfa.num_symbols, dfa.num_states, dfa.num_states)
+    for q, row in enumerate(dfa.delta):
+        for a, target in enumerate(row):
+            expected[a, target, q] = 2.5
+    assert torch.equal(M, expected)
 
 
 def test_bad_dfa_is_refused():

@@ -7,7 +7,8 @@ import torch
 
 from llm_surgery.bench.state_tracking.__main__ import _seeds, main, parse_args as parse_cli, summarize
 from llm_surgery.bench.state_tracking.model import StateTracker
-from llm_surgery.bench.state_tracking.train import (ADAPT_EVERY, KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRESETS,
+from llm_surgery.bench.state_tracking import train as train_module
+from llm_surgery.bench.state_tracking.train import (KIND_DEFAULTS, ONE_LAYER_RECIPES, PDSSM_PRESETS,
                                                     TrainConfig, TrainRun, adapt_len, candidate_seed, cli_defaults, evaluate,
                                                     held_out_generator, lr_at, max_train_len, needs_retry,
                                                     param_groups, preset_for, progress, train)
@@ -29,12 +30,13 @@ def test_curriculum_ramps_to_max_len():
     assert max_train_len(0.0, TrainConfig(steps=100)) == 40
 
 
-def test_adaptive_curriculum_raises_the_length_only_while_the_loss_is_low():
+def test_adaptive_curriculum_raises_the_length_only_while_the_loss_is_low(monkeypatch):
     cfg = TrainConfig(curriculum_mode="adaptive", curriculum_threshold=0.3, curriculum_step=2, max_len=40)
     assert adapt_len(10, 0.1, cfg) == 12 and adapt_len(10, 0.5, cfg) == 10 and adapt_len(39, 0.0, cfg) == 40
     # end to end: a threshold no loss reaches holds the length at min_len + 1; one every loss is below raises it
-    # by curriculum_step at each of the steps // ADAPT_EVERY checks
-    small = dict(task="parity", n_layers=1, d_model=16, steps=3 * ADAPT_EVERY, batch_size=8, eval_lengths=(40,),
+    # by curriculum_step at each of the steps // ADAPT_EVERY checks (a check every 2 steps here, to stay short)
+    monkeypatch.setattr(train_module, "ADAPT_EVERY", 2)
+    small = dict(task="parity", n_layers=1, d_model=16, steps=3 * 2, batch_size=8, eval_lengths=(40,),
                  eval_batch=8, mixer=dict(num_heads=2), curriculum_mode="adaptive", curriculum_step=3)
     assert train(TrainConfig(curriculum_threshold=0.0, **small))["train_max_len"] == 2
     assert train(TrainConfig(curriculum_threshold=1e9, **small))["train_max_len"] == 2 + 3 * 3
@@ -105,8 +107,8 @@ def test_validation_keeps_the_best_weights_and_reports_them_on_the_test_set():
     steps = [s for s, _ in r["val_curve"]]
     assert steps == [4, 8, 12] and r["steps_run"] == 12
     assert r["val_best"] == max(m for _, m in r["val_curve"]) == dict(r["val_curve"])[r["val_best_step"]]
-    if r["val_best_step"] == 12:
-        assert r["acc_selected"] == r["acc"]
+    last_only = train(TrainConfig(**{**cfg.__dict__, "eval_every": 12}))   # one validation, after the last step:
+    assert last_only["val_best_step"] == 12 and last_only["acc_selected"] == last_only["acc"]   # the final weights
     # the reported selection is the kept weights on the test sequences: retrain, pick the same step, evaluate
     again = TrainRun(cfg, 0, get_task("parity"), torch.device("cpu"))
     again.advance(r["val_best_step"] / cfg.steps)
@@ -241,7 +243,7 @@ def test_cli_writes_jsonl_and_summary(tmp_path, capsys):
     assert s3["config"]["mixer"] == json.loads(json.dumps(expected))
     text = capsys.readouterr().out
     assert "| pdssm | parity | 2 |" in text and "validation-selected" in text
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="unknown task 'dyck'; choose from parity"):
         main(["--task", "dyck", "--steps", "1"])
 
 

@@ -4,7 +4,6 @@ have (nearly) the same parameter count at every width; comparisons between kinds
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 from functools import lru_cache
 
@@ -56,18 +55,11 @@ def count_params(kind: str, hidden_size: int, **options) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _pdssm_available() -> bool:
-    return importlib.util.find_spec(f"{__package__}.{_MIXERS['pdssm'][0]}") is not None
-
-
 @lru_cache(maxsize=None)
 def target_param_count(hidden_size: int) -> int:
-    """The count all kinds are matched to: FlashPDSSM's default count, or 6 * hidden_size**2 while the
-    FlashPDSSM layer is absent."""
+    """The count all kinds are matched to: FlashPDSSM's default count."""
     _check_width(hidden_size)
-    if _pdssm_available():
-        return count_params("pdssm", hidden_size)
-    return 6 * hidden_size ** 2
+    return count_params("pdssm", hidden_size)
 
 
 def _heads_for(kind: str, hidden_size: int, target: int, **fixed) -> int:
@@ -118,9 +110,6 @@ def param_table(widths=(768, 1024, 1536, 2048, 4096, 4480, 5120)) -> str:
         target = target_param_count(d)
         cells, worst = [], 0.0
         for kind in MIXER_KINDS:
-            if kind == "pdssm" and not _pdssm_available():
-                cells.append(f"(absent; target 6·D² = {target / 1e6:.2f}M)")
-                continue
             opts = default_options(kind, d)
             n = count_params(kind, d, **opts)
             worst = max(worst, abs(n - target) / target)
