@@ -1,5 +1,7 @@
 """pd_scan against the plain loop and the dense definition: values, gradients, errors."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -362,14 +364,14 @@ def test_cuda_default_chunk_without_a_gpu():
     assert chunk(32, 128, 128, block) == 4           # and until there are >= 4 blocks per SM
 
 
-def test_launch_policy_choices_are_pinned():
-    """Every choice the launch policy makes, composed as cuda.py's launch composes them (forward kernel, chunk
-    length, one wave, ramp, longest chunk of the table, repair-log entries), over 5 forms x fwd/bwd x 7 state
-    sizes x 5 sequence counts x 4 lengths, equals the table in tests/data/pd_scan_launch_policy.json, written
-    from the code before it moved into launch_policy.py (no GPU: the extension's sizes come from a stand-in). A
-    change to any rule shows here as the shapes whose launch it changes."""
-    import json
-    from pathlib import Path
+def test_launch_policy_stays_inside_the_kernels_limits():
+    """Whatever chunk the rules pick, over 5 forms x fwd/bwd x 7 state sizes x 5 sequence counts x 4 lengths, each
+    launch is one the kernels take, composed as cuda.py's launch composes it (no GPU: the extension's sizes come from
+    a stand-in): the warp forward up to WARP_MAX_N only; staged blocks of a power-of-two chunk that fit shared
+    memory, over 16 steps only in the backward's look-back rule and while >= 4 blocks an SM remain; warp chunks of
+    8-512 steps, one wave exactly when all chunks fit the warp slots, a chunk table that covers the sequence in
+    order, a ramp only in one wave and only where every chunk keeps a repair log, and a log only for chunks it
+    serves (<= REPAIR_MAX_T steps)."""
     from llm_surgery.ops.pd_scan import launch_policy as policy
 
     class Ext:   # staged kernels' shared memory grows with N T; the warp forward holds half as many warps past N=128
@@ -379,28 +381,30 @@ def test_launch_policy_choices_are_pinned():
         def warp_blocks_per_sm(self, layout, bf16, N):
             return 16 if N <= 128 else 8
 
-    ext, sms = Ext(), 132
-    table = json.loads((Path(__file__).parent / "data" / "pd_scan_launch_policy.json").read_text())
-    for key, (want_code, want) in ((k, v) for k, v in table.items() if k != "about"):
-        layout, bf16, bwd, N = (int(v) for v in key.split(","))
-        bf16, bwd = bool(bf16), bool(bwd)
-        got = []
-        for S in (1, 8, 32, 192, 2048):
-            for L in (100, 2048, 16384, 65536):
-                code = policy.algo_code("auto", N, bwd)
-                assert code == want_code, key
-                T = policy.default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, 227 * 1024)
-                C = -(-L // T)
-                one_wave, ramp, longest = False, 0.0, T
-                if not bwd and code == policy.ALGOS["warp"]:
-                    one_wave = S * C <= policy.warp_slots(ext, layout, bf16, N, sms)
-                    ramp = policy.chunk_ramp(None, C, T, one_wave)
-                    _, longest = policy.chunk_starts(L, C, T, ramp, "cpu")
-                rcap = policy.repair_capacity(code, bwd, bf16, longest, N, one_wave)
-                got.append([T, longest, rcap, int(one_wave), int(ramp > 0)])
-        mismatch = [(S, L, g, w) for (S, L), g, w in zip([(S, L) for S in (1, 8, 32, 192, 2048)
-                                                          for L in (100, 2048, 16384, 65536)], got, want) if g != w]
-        assert not mismatch, f"{key}: (S, L, got, pinned) {mismatch[:4]}"
+    ext, sms, smem = Ext(), 132, 227 * 1024
+    forms = [(policy.REAL, False), (policy.REAL, True), (policy.SPLIT, False), (policy.SPLIT, True),
+             (policy.CPLX, False)]
+    for (layout, bf16), bwd, N, S, L in itertools.product(forms, (False, True), (16, 32, 64, 100, 128, 256, 1024),
+                                                          (1, 8, 32, 192, 2048), (100, 2048, 16384, 65536)):
+        shape = dict(layout=layout, bf16=bf16, bwd=bwd, N=N, S=S, L=L)
+        code = policy.algo_code("auto", N, bwd)
+        assert code == policy.ALGOS["warp" if N <= policy.WARP_MAX_N else "block"], shape
+        T = policy.default_chunk(ext, layout, bf16, bwd, S, L, N, sms, code, smem)
+        C = -(-L // T)
+        if bwd or code == policy.ALGOS["block"]:
+            assert T & (T - 1) == 0 and ext.smem_bytes(layout, bf16, N, T, bwd, code) <= smem, (shape, T)
+            assert T <= 16 or (bwd and N <= 128 and T <= 64 and S * C >= 4 * sms), (shape, T)
+            assert policy.repair_capacity(code, bwd, bf16, T, N) == 0, shape
+            continue
+        assert 8 <= T <= policy.REPAIR_MAX_T, (shape, T)
+        one_wave = S * C <= policy.warp_slots(ext, layout, bf16, N, sms)
+        ramp = policy.chunk_ramp(None, C, T, one_wave)
+        starts, longest = policy.chunk_starts(L, C, T, ramp, "cpu")
+        lengths = (starts[1:] - starts[:-1]).tolist()
+        assert starts[0] == 0 and starts[-1] == L and min(lengths) > 0 and max(lengths) == longest, (shape, T)
+        rcap = policy.repair_capacity(code, bwd, bf16, longest, N, one_wave)
+        assert not ramp or (one_wave and rcap > 0), (shape, T, ramp, rcap)
+        assert not rcap or longest <= policy.REPAIR_MAX_T, (shape, T, longest)
 
 
 def test_cuda_build_hash_covers_every_kernel_source():
