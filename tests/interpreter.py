@@ -1,18 +1,30 @@
-"""The skip shared by the tests that run this package's Triton kernels under Triton's interpreter (on the CPU)."""
+"""What the tests that run this package's Triton kernels under Triton's interpreter (on the CPU) share."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+
+def import_triton():
+    """Triton, which the `test` extra installs on Linux: imported there (a missing one fails the test), skipped
+    elsewhere (no Triton wheels)."""
+    if sys.platform.startswith("linux"):
+        import triton
+        return triton
+    return pytest.importorskip("triton", reason="Triton has wheels for Linux only")
 
 
 def require_interpreter_kernels():
-    """Skip unless Triton imports at a version whose interpreter runs these kernels: 3.7 on (the test extra's bound;
-    a GPU image's 3.6, for one, runs them in its CUDA tests instead)."""
-    triton = pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    """Triton at a version whose interpreter runs these kernels: 3.7 on (the test extra's bound). Skipped under an
+    older one only where CUDA runs the kernels instead (a GPU image's 3.6); without a GPU, an older Triton fails."""
+    triton = import_triton()
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip("Triton's interpreter runs these kernels from 3.7 on (the test extra's bound)")
+        if torch.cuda.is_available():
+            pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels; the CUDA tests run them")
+        pytest.fail(f"Triton {triton.__version__} is older than the test extra's 3.7 (pip install -e '.[test]')")
 
 
 def run_interpreted(code: str) -> str:

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import run_interpreted
+from interpreter import import_triton, run_interpreted
 
 
 def _compare(device: str, dtype=torch.float32, direct: bool = False):
@@ -89,7 +89,7 @@ def test_block_kernels_match_torch_cuda():
 
 
 def test_block_kernels_match_torch_interpreted():
-    pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    import_triton()
     code = textwrap.dedent("""
         import json, sys
         sys.path.insert(0, {tests!r})

@@ -189,22 +189,22 @@ def test_default_splits_resimulated():
         check_split(data[name], max_ops, COMMON_OBJECTS)
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"num_sequences": -1}, ValueError),
-    ({"num_sequences": {"train": -2}}, ValueError),
-    ({"num_sequences": {"dev": 2}}, ValueError),
-    ({"num_sequences": 2.5}, TypeError),
-    ({"train_max_ops": -1}, ValueError),
-    ({"train_max_ops": 6, "test_max_ops": 5}, ValueError),
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_sequences": -1}, ValueError, r"num_sequences must be >= 0, got -1"),
+    ({"num_sequences": {"train": -2}}, ValueError, r"num_sequences\['train'\] must be >= 0, got -2"),
+    ({"num_sequences": {"dev": 2}}, ValueError, r"num_sequences has unknown splits \['dev'\]"),
+    ({"num_sequences": 2.5}, TypeError, r"num_sequences must be an int, got 2.5"),
+    ({"train_max_ops": -1}, ValueError, r"train_max_ops must be >= 0, got -1"),
+    ({"train_max_ops": 6, "test_max_ops": 5}, ValueError, r"test_max_ops \(5\) must be >= train_max_ops \(6\)"),
 ])
-def test_bad_arguments(kwargs, error):
-    with pytest.raises(error):
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
         generate_splits(**kwargs)
 
 
 # ---------------------------------------------------------------- files and CLI
 
-def test_cli_generate_files_card_and_datasets(tmp_path, monkeypatch):
+def test_cli_generate_files_card_and_datasets(tmp_path, monkeypatch, capsys):
     out = tmp_path / "box"
     argv = ["generate", "--out", str(out), "--seed", "1", "--split-sequences", "6", "2", "3",
             "--train-max-ops", "2", "--test-max-ops", "5", "--disjoint-vocab", "--no-progress"]
@@ -218,9 +218,9 @@ def test_cli_generate_files_card_and_datasets(tmp_path, monkeypatch):
     assert "| 5 | 0 | 0 | 21 | 21 |" in card and "| train | 6 | 126 |" in card
     # an existing output is kept unless --overwrite
     before = (out / "train.jsonl").read_bytes()
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$"):
         cli_main(argv[:-1] + ["--seed", "2"])
-    assert e.value.code == 2 and (out / "train.jsonl").read_bytes() == before
+    assert "already holds train.jsonl" in capsys.readouterr().err and (out / "train.jsonl").read_bytes() == before
     assert cli_main(argv + ["--overwrite"]) == 0
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -238,27 +238,29 @@ def test_cli_generate_files_card_and_datasets(tmp_path, monkeypatch):
                                                           "test_disjoint_vocab": 126}
 
 
-@pytest.mark.parametrize("extra", [["--num-sequences", "-3"], ["--num-sequences", "0"],
-                                   ["--split-sequences", "0", "0", "0"],
-                                   ["--train-max-ops", "9", "--test-max-ops", "8"], ["--out-file-parent"]])
-def test_cli_bad_input_fails_before_work(tmp_path, capsys, extra):
+@pytest.mark.parametrize("extra, message", [
+    (["--num-sequences", "-3"], "num_sequences must be >= 0, got -3"),
+    (["--num-sequences", "0"], "got 0: nothing to generate"),   # zero sequences: refused, not empty files
+    (["--split-sequences", "0", "0", "0"], "got {'train': 0, 'validation': 0, 'test': 0}: nothing to generate"),
+    (["--train-max-ops", "9", "--test-max-ops", "8"], "test_max_ops (8) must be >= train_max_ops (9)"),
+    (["--out-file-parent"], "/file/sub is not writable"),
+])
+def test_cli_bad_input_fails_before_work(tmp_path, capsys, extra, message):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     out = blocker / "sub" if extra == ["--out-file-parent"] else tmp_path / "out"
     argv = ["generate", "--out", str(out), "--no-progress"] + ([] if extra == ["--out-file-parent"] else extra)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$"):   # the exit status; the message goes to stderr, in one line
         cli_main(argv)
-    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "error:" in err and ("num_sequences" in err or "test_max_ops" in err or "not writable" in err)
-    assert "0" not in extra or "nothing to generate" in err   # zero sequences: refused, not empty files
+    assert err.startswith("llm-surgery-box generate: error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
 
 
 def test_write_splits_refuses_existing(tmp_path):
     data = generate_splits({"train": 1}, seed=0, train_max_ops=1, test_max_ops=1)
     write_splits(tmp_path, data)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match=r"already holds .*train.jsonl.*; pass overwrite=True"):
         write_splits(tmp_path, data)
     write_splits(tmp_path, data, overwrite=True)
 
@@ -295,9 +297,9 @@ def test_score_hand_written_cases():
     result = score(records[:10], by_id)
     assert result["accuracy"] == 1.0 and result["num_states"] == 1
     assert result["ood"]["num_states"] == 0 and result["ood"]["state_accuracy"] is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="got 7 predictions for 14 records"):
         score(records, right)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"14 record\(s\) have no prediction"):
         score(records, {})
 
 
@@ -423,7 +425,7 @@ def test_tokenizer_round_trips_generated_text(tokenizer, splits):
     assert tokenizer.unk_token_id in tokenizer("Box 0 contains the spaceship")["input_ids"]
     small = build_box_tokenizer(["cup"])
     assert small.unk_token_id in small("the theremin")["input_ids"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="vocabulary words must be single alphanumeric words, got 'two words'"):
         build_box_tokenizer(["two words"])
 
 
@@ -455,7 +457,7 @@ def test_collator_pads(tokenizer, side):
         assert batch["labels"][row][real].tolist() == f["labels"]
         assert (batch["labels"][row][mask == 0] == -100).all()
         assert (batch["input_ids"][row][mask == 0] == tokenizer.pad_token_id).all()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right', got 'middle'"):
         BoxCollator(tokenizer, padding_side="middle")
 
 

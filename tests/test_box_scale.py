@@ -104,11 +104,11 @@ def test_resume_refuses_a_checkpoint_of_other_settings_and_an_incomplete_one(tmp
     spec = box_scale.SCALES["tiny"]
     model, _ = box_scale.build(spec)
     box_scale.save_host(tmp_path / "host", model, {"spec": spec, "step": 2})
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.load_host(tmp_path / "host", {**spec, "hidden": 64})
-    assert e.value.code == 2 and "hidden: 32 there, 64 here" in capsys.readouterr().err
+    assert "hidden: 32 there, 64 here" in capsys.readouterr().err
     (tmp_path / "host" / "weights-00.safetensors").unlink()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.load_host(tmp_path / "host", spec)
     assert "incomplete: missing weights-00.safetensors" in capsys.readouterr().err
 
@@ -155,14 +155,14 @@ def test_summarize_refuses_results_of_different_hosts_and_an_empty_folder(tmp_pa
     for i, fingerprint in enumerate(("aaaa", "bbbb")):
         (tmp_path / f"finetune-pdssm-s{i}.json").write_text(json.dumps({"host": {"fingerprint": fingerprint},
                                                                         "runs": []}))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.main(["summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
-    assert e.value.code == 2 and "2 different hosts (aaaa, bbbb)" in capsys.readouterr().err
+    assert "2 different hosts (aaaa, bbbb)" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.main(["summarize", str(tmp_path / "empty"), "--out", str(tmp_path / "summary")])
     assert "no finetune-*.json results in" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.load_host(tmp_path)  # a folder that is no checkpoint
     assert "is not a box_scale host checkpoint (no state.json)" in capsys.readouterr().err
 
@@ -191,6 +191,6 @@ def test_language_host_learns_every_token_of_documents_without_queries_and_resum
 @pytest.mark.parametrize("value, message", [('{"nope": 1}', "--set names no trainer setting: nope"),
                                             ("[1]", "--set must be a JSON object")])
 def test_finetune_settings_are_refused_before_work(value, message, capsys):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$"):
         box_scale.parse_args(["finetune", "--host", "x", "--set", value])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert message in capsys.readouterr().err

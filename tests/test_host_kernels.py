@@ -4,6 +4,7 @@ import importlib
 
 import pytest
 import torch
+from gpu_libraries import require_gpu_library
 
 from llm_surgery import host_kernels
 from llm_surgery.hosts import build_tiny_host
@@ -61,9 +62,7 @@ def test_no_kernels_says_so(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and mamba-ssm's Triton kernels")
 def test_host_on_cuda_matches_reference():
-    import llm_surgery.layers.mamba2 as m2
-    if m2.mamba_kernels() is None:
-        pytest.skip("mamba-ssm Triton kernels not importable")
+    require_gpu_library("mamba2")
     model = build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=50, pattern="M*M*", mamba_chunk_size=16)
     model = model.cuda().float()
     ids = torch.randint(0, 50, (2, 40), device="cuda")

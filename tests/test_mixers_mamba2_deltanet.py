@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_libraries import require_gpu_library
 
 from llm_surgery.layers import deltanet as deltanet_mod
 from llm_surgery.layers import mamba2 as mamba2_mod
@@ -336,8 +337,8 @@ def test_cpu_forward_imports_no_kernel_library():
 def test_mamba_kernel_import_uses_bare_package_and_cleans_up(tmp_path, monkeypatch):
     """A Triton-only mamba_ssm whose package __init__ fails (no compiled selective_scan_cuda) still
     yields its kernels, and leaves no half-imported mamba_ssm behind for other libraries."""
-    if "mamba_ssm" in sys.modules:
-        pytest.skip("a real mamba_ssm is already imported in this process")
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)   # a real mamba_ssm imported earlier is hidden, restored afterwards
     pkg = tmp_path / "mamba_ssm"
     (pkg / "ops" / "triton").mkdir(parents=True)
     (pkg / "__init__.py").write_text("import selective_scan_cuda_missing_for_test\n")
@@ -360,7 +361,7 @@ def test_mamba_kernel_import_uses_bare_package_and_cleans_up(tmp_path, monkeypat
     assert kernels[0]() == "chunk" and kernels[1]() == "step"
     assert cls.__name__ == "Mamba2" and fused is False  # no causal-conv1d functions: not the fused path
     assert not any(n == "mamba_ssm" or n.startswith("mamba_ssm.") for n in sys.modules)
-    with pytest.raises(ImportError):
+    with pytest.raises(ImportError, match="selective_scan_cuda_missing_for_test"):
         __import__("mamba_ssm")
 
 
@@ -386,8 +387,7 @@ def _rel(a, b):
 
 def _cuda_mixer(kind, dtype, width=256):
     """A registry-default mixer (the shapes the surgery inserts) on CUDA, off its init, with a CPU float32 twin."""
-    if (mamba2_mod.mamba_module() if kind == "mamba2" else deltanet_mod.fla_kernels()) is None:
-        pytest.skip(f"{'mamba_ssm' if kind == 'mamba2' else 'fla'} is not installed")
+    require_gpu_library(kind)
     from llm_surgery.layers.registry import build_mixer
     torch.manual_seed(0)
     cpu = _perturb(build_mixer(kind, width, backend="torch"), seed=1)

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 import torch
-from interpreter import require_interpreter_kernels, run_interpreted
+from interpreter import import_triton, require_interpreter_kernels, run_interpreted
 
 from llm_surgery.ops.pd_select import column_argmax, gather_transitions, pd_select_scan, pd_select_scan_dense
 from llm_surgery.ops.pd_scan import pd_scan_naive
@@ -167,7 +167,7 @@ def test_dictionary_sum_with_skewed_selections_interpreted():
 def test_half_precision_selector_sum_uses_the_tensor_cores_only_where_its_kernel_fits(monkeypatch, N, kernel):
     """TF32 layers take the tensor-core selector sum up to 32 state entries; beyond, its kernel spills registers
     (`triton_ste.SELECTOR_DOT_MAX_BLOCK_N`) and the gathers run."""
-    pytest.importorskip("triton", reason="the straight-through kernels' module needs the triton package")
+    import_triton()   # the straight-through kernels' module needs it
     from llm_surgery.ops.pd_select import triton_ste
     called = []
     for name in ("_selector", "_selector_dot"):

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from interpreter import run_interpreted
+from interpreter import import_triton, run_interpreted
 
 from llm_surgery.ops.pd_transition import transition_naive
 
@@ -81,7 +81,7 @@ def test_triton_kernels_match_reference_cuda():
 
 
 def test_triton_kernels_match_reference_interpreted():
-    pytest.importorskip("triton", reason="the interpreter needs the triton package (pip install -e '.[test]')")
+    import_triton()
     code = textwrap.dedent("""
         import json, sys
         sys.path.insert(0, {tests!r})

@@ -122,7 +122,7 @@ def test_tau_at_is_geometric_over_the_run_and_fixed_without_an_end():
 
 @pytest.mark.parametrize("flag", ["0", "-1", "nan", "inf"])
 def test_bad_tau_end_is_a_one_line_error(flag, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         parse_config(["--tau-end", flag])
     assert "tau_end must be a finite number in (0, inf)" in capsys.readouterr().err
 

@@ -132,7 +132,6 @@ def test_start_mps_falls_back_and_restores_the_environment(tmp_path, monkeypatch
 
 
 def test_plot_of_accuracy_against_length(tmp_path):
-    pytest.importorskip("matplotlib")
     rows = [{"kind": "pdssm", "task": t, "seed": 0, "acc": {"40": 1.0, "256": 0.5},
              "config": {"n_layers": 2, "mixer": {}, "name": "snap"}} for t in gpu.TABLE1_TASKS]
     out = tmp_path / "len.png"
@@ -141,7 +140,6 @@ def test_plot_of_accuracy_against_length(tmp_path):
 
 
 def test_plot_of_validation_against_step(tmp_path):
-    pytest.importorskip("matplotlib")
     rows = [{"kind": "pdssm", "task": t, "seed": s, "val_curve": [[500, 0.5], [1000, 0.9 - 0.1 * s]],
              "config": {"n_layers": 2, "mixer": {}, "name": "snap"}} for t in gpu.TABLE1_TASKS for s in (0, 1)]
     rows.append({**rows[0], "val_curve": None})  # a run without validation is left out

@@ -2,10 +2,9 @@
 at every step from the same state; same parameters after steps at interleaved lengths, through the eager first
 step, capture and replay of each length's graph)."""
 
-import importlib.util
-
 import pytest
 import torch
+from gpu_libraries import require_gpu_library
 
 from llm_surgery.bench.state_tracking.graphed_step import GraphedTrainStep
 from llm_surgery.bench.state_tracking.tasks import get_task
@@ -15,10 +14,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 KINDS = [pytest.param("pdssm", "layer"),  # the fused CUDA op
          pytest.param("pdssm", "tracking"),  # unit_snap, phase_levels, no convolution
          pytest.param("pdssm", "automaton"),  # + b_gate="decay", a learned start state, Adam eps 1e-6
-         pytest.param("mamba2", None, marks=pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
-                                                         reason="mamba-ssm not installed")),
-         pytest.param("deltanet", None, marks=pytest.mark.skipif(importlib.util.find_spec("fla") is None,
-                                                           reason="fla not installed"))]
+         pytest.param("mamba2", None),      # mamba-ssm's layer
+         pytest.param("deltanet", None)]    # fla's layer
 
 
 def test_graphed_step_needs_a_capturable_optimizer():
@@ -46,6 +43,8 @@ def _sync(dst: TrainRun, src: TrainRun) -> None:
 
 
 def _pair(kind, preset, task):
+    if kind != "pdssm":
+        require_gpu_library(kind)
     runs = []
     for graphs in (False, True):
         cfg = cli_defaults(kind, preset=preset, task="cycle_navigation", d_model=64, batch_size=32, device="cuda",

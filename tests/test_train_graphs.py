@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_libraries import require_gpu_library
 
 from llm_surgery.train.config import TrainConfig
 from llm_surgery.train.graphs import (LENGTH_MULTIPLE, SPAN_MULTIPLE, _flat_grads, prepare_summary, refusal,
@@ -197,10 +198,8 @@ def test_graphed_run_trains_like_an_eager_run(tmp_path, tiny_host_dir, kind):
 
     import warnings
 
-    from llm_surgery.layers.mamba2 import mamba_kernels
-
-    if kind == "mamba2" and mamba_kernels() is None:   # mamba-ssm's Triton kernels (its package may not import)
-        pytest.skip("mamba-ssm's kernels are not importable")
+    if kind != "pdssm":
+        require_gpu_library(kind)
     losses = {}
     for graphs in (True, False):
         out = tmp_path / f"g{graphs}"
