@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -579,10 +580,46 @@ def test_accelerate_config_precision_is_used_recorded_and_a_flag_overrides_it(tm
     assert proc.returncode == 2 and "mixed_precision: 'bf16' -> 'no'" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
-    """--profile-steps: the last steps' breakdown (data, forward, backward, optimizer, check_and_log, other) adds up
-    to the step time, and those steps stay out of the throughput. (How the times compare with unprofiled steps is
-    a benchmark's question: on a loaded CPU their ratio swung from 0.06 to 5.7.)"""
+def test_step_profile_accounts_each_phase_and_the_rest_of_the_step(monkeypatch):
+    """StepProfile on a fake clock where the device takes 0.5 s to finish at each synchronisation: only the window's
+    steps count; a phase's time runs until the device has finished it, its issue time until the host is done;
+    `other` is the step's time outside the named phases (the loop's own and the closing wait); evaluations are timed
+    whether or not their step is profiled."""
+    from types import SimpleNamespace
+
+    from llm_surgery.train import profile
+
+    now = [0.0]
+
+    def advance(seconds):
+        now[0] += seconds
+
+    monkeypatch.setattr(profile, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    prof = profile.StepProfile(torch.device("cpu"), first_step=2, steps=2)
+    monkeypatch.setattr(prof, "_sync", lambda: advance(0.5))
+    for step in range(5):
+        assert prof.begin_step(step) == (step in (2, 3))
+        with prof.phase("data"):
+            advance(1.0)
+        with prof.phase("forward"):
+            advance(2.0)
+        advance(0.25)   # the loop's own Python
+        prof.end_step()
+    with prof.evaluation("test"):
+        advance(3.0)
+    assert prof.result() == {
+        "steps": 2, "step_ms": 4750.0,   # 1.5 + 2.5 + 0.25 + the closing 0.5 s wait
+        "phases_ms": {"data": 1500.0, "forward": 2500.0, "backward": 0.0, "optimizer": 0.0, "check_and_log": 0.0,
+                      "other": 750.0},
+        "issue_ms": {"data": 1000.0, "forward": 2000.0, "backward": 0.0, "optimizer": 0.0, "check_and_log": 0.0},
+        "evaluations": [{"split": "test", "seconds": 3.5}]}   # 3 s and the closing wait
+    assert profile.StepProfile(torch.device("cpu"), first_step=9, steps=2).result() is None   # no step profiled
+
+
+def test_step_profile_is_written_and_stays_out_of_the_throughput(tmp_path, tiny_host_dir):
+    """--profile-steps: the last steps' breakdown (data, forward, backward, optimizer, check_and_log, other) is
+    written, and those steps stay out of the throughput. (How the times compare with unprofiled steps is a
+    benchmark's question: on a loaded CPU their ratio swung from 0.06 to 5.7.)"""
     from llm_surgery.train import run
 
     out = tmp_path / "run"
@@ -591,7 +628,6 @@ def test_step_profile_is_written_and_adds_up(tmp_path, tiny_host_dir):
     assert prof == json.loads(json.dumps(res["step_profile"])) and prof["steps"] == 3
     phases = prof["phases_ms"]
     assert list(phases) == ["data", "forward", "backward", "optimizer", "check_and_log", "other"]
-    assert sum(phases.values()) == pytest.approx(prof["step_ms"])
     assert min(phases.values()) >= -1e-6 and phases["forward"] > 0 and phases["backward"] > 0
     assert phases["other"] >= 0
     assert all(0 <= prof["issue_ms"][k] <= phases[k] + 1e-6 for k in prof["issue_ms"])
@@ -688,9 +724,15 @@ def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
         [(1, [0]), (1, [1]), (2, [2, 3])], [(2, [0, 1]), (2, [2, 3])], [(4, [0, 1, 2, 3])]]
     assert [len(w) for w in mg.waves(runs, 4, False)] == [1] * 6
     args.recipe = str(script)
-    res = mg.launch(args, 1, tmp_path / "host", tmp_path / "np1")
+    job = mg.start(args, 1, tmp_path / "host", tmp_path / "np1")
+    for _ in range(1200):   # once the stand-in's child runs, the deadline passes at once
+        if pidfile.is_file() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the stand-in recipe did not start within 120 s")
+    res = mg.finish(job, deadline=time.time())
     assert res["rc"] == "timeout"
-    assert pidfile.is_file(), "the stand-in recipe did not start within the timeout"
     pid = int(pidfile.read_text())
     for _ in range(50):
         try:
@@ -971,14 +1013,13 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
 def test_offline_recipe_without_a_local_model_says_so_in_one_line(tmp_path):
     """recipes/granite3b.py names a hub id; with no network and nothing cached it fails at once, in one line."""
     env = {**_env(), "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO)}  # a script's folder is not the repo
-    t0 = time.time()
     proc = subprocess.run([sys.executable, "recipes/granite3b.py", "--cpu", "--output-dir", str(tmp_path / "run")],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert errors == [line for line in errors if "ibm-granite/granite-4.0-h-micro" in line and
                       "--model /path/to/a/local/checkpoint" in line] and len(errors) == 1, proc.stderr
-    assert time.time() - t0 < 60 and not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_unreachable_hub_is_one_line_without_retries(monkeypatch, tmp_path):
@@ -992,10 +1033,12 @@ def test_unreachable_hub_is_one_line_without_retries(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: connection refused
     for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    t0 = time.time()
+    attempts = []
+    connect = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a[0]) or connect(*a, **k))
     with pytest.raises(UsageError, match=r"org/model is a hub id .* cannot be reached .*local/checkpoint"):
         model_source("org/model")
-    assert time.time() - t0 < 10
+    assert attempts == [("127.0.0.1", 9)]   # one probe of the endpoint, no retries
 
 
 def test_host_too_large_for_memory_is_refused_with_its_size(monkeypatch, tmp_path):
