@@ -146,55 +146,66 @@ _INTERPRETED = textwrap.dedent("""
     """)
 
 
-def _run_interpreted(cases, one_kernel, sizes, dtype="float32"):
-    """`_compare` for `cases` under the interpreter, in one subprocess per CPU core (two on CI's machine: the
-    interpreter keeps one core busy, and these are the suite's longest tests); (worst deviations, planes seen)."""
-    n = min(len(cases), os.cpu_count() or 1)
+def _run_interpreted(jobs, sizes, dtype="float32"):
+    """`_compare` under the interpreter for each job (one kernel or not, cases), all jobs at once, one subprocess
+    each (the interpreter keeps one core busy); per job (worst deviations, planes the scan saw)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     runs = [subprocess.Popen([sys.executable, "-c", _INTERPRETED.format(
-                tests=os.path.dirname(__file__), one_kernel=one_kernel, cases=cases[i::n], sizes=sizes, dtype=dtype)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    worst, planes = {}, set()
+                tests=os.path.dirname(__file__), one_kernel=one_kernel, cases=cases, sizes=sizes, dtype=dtype)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for one_kernel, cases in jobs]
+    results = []
     try:
-        for run in runs:
+        for run, (_, cases) in zip(runs, jobs):
             stdout, stderr = run.communicate(timeout=900)
             assert run.returncode == 0, stderr[-3000:]
             out = json.loads(stdout.strip().splitlines()[-1])
-            worst.update(out["worst"])
-            planes.update(tuple(p) for p in out["planes"])
+            assert len(out["worst"]) == 2 * len(cases), "a case is missing from a subprocess's results"
+            results.append((out["worst"], {tuple(p) for p in out["planes"]}))
     finally:
         for run in runs:
             run.kill()
-    assert len(worst) == 2 * len(cases), "a case is missing from the subprocesses' results"
-    return worst, planes
+    return results
 
 
-# (one kernel per (sequence, head) or the separate kernels, layer sizes, cases): the default sizes run every gate and
-# drift option; odd sizes (N = 20, K = 5: not powers of two) run a subset
+def _per_core(one_kernel, cases):
+    """Jobs that split `cases` over the CPU cores (two on CI's machine)."""
+    n = min(len(cases), os.cpu_count() or 1)
+    return [(one_kernel, cases[i::n]) for i in range(n)]
+
+
+# Jobs (one kernel per (sequence, head) or the separate kernels, cases) and layer sizes. The quick suite (`-m "not
+# slow"`) runs one case of each form side by side (~15 s of interpreter a case); the full one the other b-gates and
+# drift options, and odd sizes (N = 20, K = 5: not powers of two).
+QUICK = {True: [("decay", DRIFT[1][1])], False: [("sigmoid", {})]}
+ODD = {"num_heads": 4, "state_size": 20, "dict_size": 5}
 INTERPRETED = [
-    (True, {}, None),
-    (False, {}, None),
-    (True, {"num_heads": 4, "state_size": 20, "dict_size": 5}, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]),
+    pytest.param([(True, QUICK[True]), (False, QUICK[False])], {}, id="both-forms"),
+    *(pytest.param(_per_core(one, [c for c in ALL_CASES if c not in QUICK[one]]), {}, marks=pytest.mark.slow,
+                   id=f"{name}-rest") for one, name in ((True, "one-kernel"), (False, "separate-kernels"))),
+    pytest.param(_per_core(True, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]), ODD, marks=pytest.mark.slow,
+                 id="odd-sizes"),
 ]
 
 
-@pytest.mark.parametrize("one_kernel,sizes,cases", INTERPRETED)
-def test_fused_path_matches_torch_path_interpreted(one_kernel, sizes, cases):
-    """Under Triton's interpreter; `one_kernel` False forces the separate kernels (the path for few sequences).
+@pytest.mark.parametrize("jobs,sizes", INTERPRETED)
+def test_fused_path_matches_torch_path_interpreted(jobs, sizes):
+    """Under Triton's interpreter; one_kernel False forces the separate kernels (the path for few sequences).
     A float32 layer keeps float32 planes, so both paths agree to float32 precision."""
     require_interpreter_kernels()
-    worst, planes = _run_interpreted(cases or ALL_CASES, one_kernel, sizes)
-    _assert_close(worst, 1e-5)
-    assert planes == (set() if one_kernel else {("torch.float32", "torch.float32", "torch.float32")})
+    for (one_kernel, _), (worst, planes) in zip(jobs, _run_interpreted(jobs, sizes)):
+        _assert_close(worst, 1e-5)
+        assert planes == (set() if one_kernel else {("torch.float32", "torch.float32", "torch.float32")})
 
 
+@pytest.mark.slow
 def test_fused_path_bf16_planes_interpreted():
     """A bf16 layer's separate kernels under the interpreter: b, x and the gradients' planes in bfloat16 with D in
     float32 (pd_scan's mixed form) agree with the torch path to bf16 precision (the CUDA test's bound)."""
     require_interpreter_kernels()
-    worst, planes = _run_interpreted([(None, {}), ("decay", {})], False, {}, "bfloat16")
-    _assert_close(worst, 5e-2)
-    assert planes == {("torch.float32", "torch.bfloat16", "torch.bfloat16")}
+    for worst, planes in _run_interpreted(_per_core(False, [(None, {}), ("decay", {})]), {}, "bfloat16"):
+        _assert_close(worst, 5e-2)
+        assert planes == {("torch.float32", "torch.bfloat16", "torch.bfloat16")}
 
 
 @pytest.mark.cuda

@@ -17,6 +17,9 @@ from llm_surgery.layers.registry import MIXER_KINDS
 
 ARCHS = ("granite", "nemotron")
 CASES = [(a, k) for a in ARCHS for k in MIXER_KINDS]
+# the generation tests: each host and each kind in the quick suite (`-m "not slow"`), every pair in the full one
+QUICK = {("granite", "pdssm"), ("nemotron", "mamba2"), ("granite", "deltanet")}
+GEN_CASES = [pytest.param(a, k, marks=() if (a, k) in QUICK else pytest.mark.slow) for a, k in CASES]
 VOCAB = 128
 
 
@@ -233,7 +236,7 @@ def test_cached_decode_matches_full_forward(host_dirs, arch, kind):
         assert not torch.allclose(model(x, use_cache=False).logits, full, atol=1e-3)
 
 
-@pytest.mark.parametrize("arch,kind", CASES)
+@pytest.mark.parametrize("arch,kind", GEN_CASES)
 def test_generate_cached_equals_uncached(host_dirs, arch, kind):
     """Greedy, seeded sampling, a left-padded batch and beam search (the cache's reorder_cache)."""
     model = trained(host_dirs, arch, kind)
@@ -263,7 +266,7 @@ def test_generate_cached_equals_uncached(host_dirs, arch, kind):
     assert torch.equal(padded_out[1, 3:], model.generate(short, do_sample=False, **GEN)[0])
 
 
-@pytest.mark.parametrize("arch,kind", CASES)
+@pytest.mark.parametrize("arch,kind", GEN_CASES)
 def test_generate_with_static_cache(host_dirs, arch, kind):
     model = trained(host_dirs, arch, kind)
     x = ids(2, 9, seed=2)

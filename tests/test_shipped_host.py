@@ -80,7 +80,7 @@ def test_corrupt_or_missing_shipped_host_falls_back_to_pretraining_with_one_line
     assert "model.safetensors does not match its sha256" in shipped_host_problem(bad)
     assert "SHA256SUMS is missing" in shipped_host_problem(tmp_path / "nowhere")
     monkeypatch.setattr(host_mod, "SHIPPED_HOST", bad)
-    cfg = parse_config(["--pretrain-steps", "2", "--num-sequences", "20", "--cache-dir", str(tmp_path / "cache")])
+    cfg = parse_config(["--pretrain-steps", "1", "--num-sequences", "20", "--cache-dir", str(tmp_path / "cache")])
     lines = []
     path = embedded_host(cfg, log=lines.append)
     assert path == host_mod.tiny_host_dir(cfg) and (path / "pretrain.json").is_file()  # pretrained as before

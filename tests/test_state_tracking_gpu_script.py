@@ -167,6 +167,7 @@ def test_a_sweep_longer_than_one_call_pauses_and_continues(tmp_path, capsys):
         gpu.main(["--pause-after", "5"])
 
 
+@pytest.mark.slow
 def test_the_protocol_end_to_end_for_every_kind_across_calls(tmp_path, capsys):
     """--protocol --quick: the learning-rate search, then the reported seeds at the chosen rates, for pdssm, mamba2
     and deltanet on one Table 1 and one group task; the first call pauses in the search (exit status 3), the same
