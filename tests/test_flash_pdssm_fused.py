@@ -183,8 +183,7 @@ INTERPRETED = [
     pytest.param([(True, QUICK[True]), (False, QUICK[False])], {}, id="both-forms"),
     *(pytest.param(_per_core(one, [c for c in ALL_CASES if c not in QUICK[one]]), {}, marks=pytest.mark.slow,
                    id=f"{name}-rest") for one, name in ((True, "one-kernel"), (False, "separate-kernels"))),
-    pytest.param(_per_core(True, [(None, {}), ("sigmoid", {}), ("decay", DRIFT[1][1])]), ODD, marks=pytest.mark.slow,
-                 id="odd-sizes"),
+    pytest.param(_per_core(True, [(None, {}), ("decay", DRIFT[1][1])]), ODD, marks=pytest.mark.slow, id="odd-sizes"),
 ]
 
 
