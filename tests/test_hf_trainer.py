@@ -52,7 +52,7 @@ def test_save_pretrained_writes_the_layers_never_a_host_from_pretrained_would_lo
         who.save_pretrained(tmp_path / "saved")
         assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
             "inserted.json", "inserted.safetensors", "model.safetensors"]
-        with pytest.raises((OSError, ValueError)):  # no config.json: from_pretrained fails, never drops the layers
+        with pytest.raises((OSError, ValueError), match="config.json"):  # no config.json: from_pretrained fails, never drops the layers
             AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
         fresh = load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "saved")
         assert torch.allclose(fresh(ids()).logits, want, atol=1e-6)
