@@ -30,17 +30,9 @@ def _exits_2(fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def host_dir(tmp_path_factory):
+def host_dir(tiny_host_dir):
     """A tiny Granite-4.0 host with 2 attention blocks, saved like a user's checkpoint."""
-    from llm_surgery.box_data import build_box_tokenizer
-    from llm_surgery.hosts import build_tiny_host
-
-    path = tmp_path_factory.mktemp("host")
-    tok = build_box_tokenizer()
-    build_tiny_host("granite", seed=0, hidden_size=32, vocab_size=len(tok), pattern="M*M*",
-                    mamba_chunk_size=64).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return tiny_host_dir
 
 
 # ---------------------------------------------------------------- flags and help

@@ -293,20 +293,6 @@ def test_plot_overlays_runs(tmp_path):
 
 # ---------------------------------------------------------------- end to end
 
-@pytest.fixture(scope="module")
-def tiny_host_dir(tmp_path_factory):
-    """A tiny Granite-4.0 host saved like a user's checkpoint, with the Box word tokenizer."""
-    from llm_surgery.box_data import build_box_tokenizer
-    from llm_surgery.hosts import build_tiny_host
-
-    path = tmp_path_factory.mktemp("host")
-    tok = build_box_tokenizer()
-    build_tiny_host("granite", seed=0, hidden_size=32, vocab_size=len(tok), pattern="M*M*",
-                    mamba_chunk_size=64).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 SMALL = ["--num-sequences", "20", "--batch-size", "4", "--max-eval-examples", "60", "--eval-batch-size", "32",
          "--log-every", "1", "--no-progress", "--no-plot", "--n", "2"]
 

@@ -153,16 +153,8 @@ def test_temperature_is_rewritten_in_place_and_read_from_memory():
 
 
 @pytest.fixture(scope="module")
-def tiny_host_dir(tmp_path_factory):
-    from llm_surgery.box_data import build_box_tokenizer
-    from llm_surgery.hosts import build_tiny_host
-
-    path = tmp_path_factory.mktemp("host")
-    tok = build_box_tokenizer()
-    build_tiny_host("granite", seed=0, hidden_size=64, vocab_size=len(tok), pattern="M*M*",
-                    mamba_chunk_size=64).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+def tiny_host_dir(tiny_box_host):
+    return tiny_box_host(64)  # wider than the trainer tests' host
 
 
 @pytest.mark.cuda
