@@ -8,7 +8,7 @@ spent its time on (`bench/startup_hooks/sitecustomize.py`: Triton compilations, 
 main-thread profile).
 
     PYTHONPATH=$PWD python bench/startup.py --runs pdssm:fresh mamba2:fresh pdssm:warm mamba2:warm --out startup.md
-    PYTHONPATH=$PWD python bench/startup.py --runs pdssm:fresh --profile --out profile.md -- --no-eval-host
+    PYTHONPATH=$PWD python bench/startup.py --runs pdssm:fresh --profile --out profile.md
 
 Trainer flags after `--` go to every run.
 """
