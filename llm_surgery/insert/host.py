@@ -2,8 +2,8 @@
 (an inserted layer goes directly before one), its norm epsilon, dtype and device.
 
 One table, `FAMILIES`, answers this per transformers `model_type`; docs/hosts.md shows it to users. A model type
-not in the table is accepted when it is shaped like the others (`GENERIC`: a `layers` list of decoder layers,
-some holding a `self_attn` module); anything else is refused in one line that says what was not found.
+not in the table is accepted when it is shaped like the others (`family`'s generic rule: a `layers` list of decoder
+layers, some holding a `self_attn` module); anything else is refused in one line that says what was not found.
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ def family(model) -> Family:
     if eps is None:
         raise ValueError(f"{what}: its config has none of the norm-epsilon fields {EPS_FIELDS}; " + _ADD_A_ROW)
     return Family("layer_types" if _layer_types(model.config, len(layers)) else "self_attn", eps=eps)
-
-
-GENERIC = "a `layers` list whose decoder layers hold `self_attn` (narrowed by `config.layer_types` where it exists)"
 
 
 def _layer_types(config, n_layers: int) -> list[str] | None:
