@@ -101,13 +101,14 @@ def _json_lines(path: Path) -> list[tuple[int, dict]] | None:
     return lines
 
 
-def _places(split: str, files: list[Path], n: int) -> list[str]:
-    """Where each of a split's `n` rows is: file and line for JSON lines and CSV, file and row otherwise."""
+def _places(split: str, files: list[Path], n: int, json_lines: dict) -> list[str]:
+    """Where each of a split's `n` rows is: file and line for JSON lines (`json_lines`: each JSON file's
+    `_json_lines`) and CSV, file and row otherwise."""
     places = []
     for f in files:
         kind = EXTENSIONS[f.suffix.lower()]
         if kind == "json":
-            lines = _json_lines(f)
+            lines = json_lines[f]
             places += [f"{f} line {i}" for i, _ in lines] if lines is not None else [f"{f} item {i}" for i in
                                                                                       range(n - len(places))]
         elif kind == "csv" and len(files) == 1:
@@ -121,14 +122,14 @@ def _places(split: str, files: list[Path], n: int) -> list[str]:
     return places
 
 
-def _check_local(spec: str, files: dict[str, list[Path]]) -> None:
-    """Empty files, and in JSON lines malformed lines and fields of the wrong type, named with file and line before
-    `datasets` reads them (its reader names neither)."""
+def _check_local(spec: str, files: dict[str, list[Path]], json_lines: dict) -> None:
+    """Empty files, and in JSON lines (`json_lines`: each JSON file's `_json_lines`) malformed lines and fields of
+    the wrong type, named with file and line before `datasets` reads them (its reader names neither)."""
     parsed = {}
     for split, split_files in files.items():
         rows, places = [], []
         for f in split_files:
-            lines = _json_lines(f) if EXTENSIONS[f.suffix.lower()] == "json" else None
+            lines = json_lines.get(f)
             if f.stat().st_size == 0 or lines == []:
                 raise UsageError(f"--dataset {spec}: the {split} split is empty ({f} holds no records)")
             rows += [r for _, r in lines or []]
@@ -150,9 +151,11 @@ def read_dataset(spec: str) -> dict[str, RawSplit]:
     local = path.exists()
     if not local and (spec.startswith(("/", ".", "~")) or Path(spec).suffix.lower() in EXTENSIONS):
         raise UsageError(f"--dataset {spec} does not exist")
+    json_lines = {}  # each local JSON file parsed once: checked here, and its line numbers name the rows
     if local:
         files = _local_files(path)
-        _check_local(spec, files)
+        json_lines = {f: _json_lines(f) for fs in files.values() for f in fs if EXTENSIONS[f.suffix.lower()] == "json"}
+        _check_local(spec, files, json_lines)
         builder = EXTENSIONS[next(iter(files.values()))[0].suffix.lower()]
         args, kwargs = (builder,), {"data_files": {s: [str(f) for f in fs] for s, fs in files.items()}}
     else:
@@ -165,7 +168,7 @@ def read_dataset(spec: str) -> dict[str, RawSplit]:
     out = {}
     for split, ds in loaded.items():
         rows = ds.to_list()
-        out[split] = RawSplit(rows, _places(split, files.get(split, []), len(rows)))
+        out[split] = RawSplit(rows, _places(split, files.get(split, []), len(rows), json_lines))
     return out
 
 
@@ -433,7 +436,7 @@ def evaluate_own(accelerator, model, tokenizer, evalset: OwnEvalSet, generate: b
                                                     reduction="none")
             row = torch.stack([(nll * mask).sum(-1), mask.sum(-1).double(),
                                ((logits.argmax(-1) == labels) & mask).sum(-1).double(),
-                               _exact(accelerator, model, tokenizer, feats) if generate
+                               _exact(accelerator, model, tokenizer, feats, collate) if generate
                                else torch.full((len(feats),), -1.0, device=accelerator.device, dtype=torch.double)],
                               -1).double()
             rows.append(accelerator.gather_for_metrics(row).cpu())
@@ -452,16 +455,14 @@ def evaluate_own(accelerator, model, tokenizer, evalset: OwnEvalSet, generate: b
     return out
 
 
-def _exact(accelerator, model, tokenizer, feats: list[dict]) -> torch.Tensor:
+def _exact(accelerator, model, tokenizer, feats: list[dict], collate) -> torch.Tensor:
     """1 where greedy decoding from the prompt gives exactly the target ids, 0 where not, -1 where a record has no
-    target (language modelling, or truncated)."""
-    from llm_surgery.box_data import BoxCollator
-
+    target (language modelling, or truncated). `collate`: the evaluation's left-padding collator."""
     out = torch.full((len(feats),), -1.0, dtype=torch.double, device=accelerator.device)
     todo = [i for i, f in enumerate(feats) if f.get("target")]
     if not todo:
         return out
-    batch = BoxCollator(tokenizer, padding_side="left")([{"input_ids": feats[i]["prompt"]} for i in todo])
+    batch = collate([{"input_ids": feats[i]["prompt"]} for i in todo])
     longest = max(len(feats[i]["target"]) for i in todo)
     with accelerator.autocast():
         generated = accelerator.unwrap_model(model).generate(
