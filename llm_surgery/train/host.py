@@ -115,21 +115,21 @@ def meta_host(cfg):
     return model, source
 
 
-def host_parameters(cfg) -> tuple[int, str] | None:
-    """(parameter count, description) of the configured host from its configuration alone (`meta_host`); None
-    for the embedded tiny host."""
+def host_parameters(cfg, meta=None) -> tuple[int, str] | None:
+    """(parameter count, description) of the configured host from its configuration alone (`meta_host`, or the
+    `meta` it already returned); None for the embedded tiny host."""
     if not (cfg.random_init_config or cfg.model):
         return None
-    model, desc = meta_host(cfg)
+    model, desc = meta or meta_host(cfg)
     return sum(p.numel() for p in model.parameters()), desc
 
 
-def check_surgery(cfg) -> None:
+def check_surgery(cfg, meta=None) -> None:
     """Refuse, before any weights load, kinds, n and positions the configured host cannot take (`plan_insertion`
-    on the host built on the meta device)."""
+    on the host built on the meta device: `meta_host`, or the `meta` it already returned)."""
     from llm_surgery.insert.surgery import plan_insertion
 
-    model, desc = meta_host(cfg)
+    model, desc = meta or meta_host(cfg)
     try:
         plan_insertion(model, cfg.inserted_kinds(), cfg.n, positions=cfg.positions, **cfg.mixer_kwargs())
     except (ValueError, TypeError) as e:

@@ -70,7 +70,7 @@ def build_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
 # ---------------------------------------------------------------- checks before work
 
 def _checks(cfg: TrainConfig, accelerator, log) -> dict:
-    from .host import check_memory, check_surgery, host_parameters, model_source, resolve_dtype
+    from .host import check_memory, check_surgery, host_parameters, meta_host, resolve_dtype
     from .outputs import check_fresh, check_resume
 
     out_dir, world = Path(cfg.output_dir), accelerator.num_processes
@@ -91,10 +91,9 @@ def _checks(cfg: TrainConfig, accelerator, log) -> dict:
         found["splits"] = check_splits(cfg, world)
     else:
         found["own"] = _own_data(cfg, world, log)
-    if cfg.model and not cfg.random_init_config:
-        model_source(cfg.model)
-    check_surgery(cfg)
-    host = host_parameters(cfg) if cfg.memory_check else None
+    meta = meta_host(cfg)  # built once (the --model source checked on the way): the surgery plan and the size
+    check_surgery(cfg, meta)
+    host = host_parameters(cfg, meta) if cfg.memory_check else None
     if host is not None:
         check_memory(*host, dtype, accelerator.device, shards=world if cfg.fsdp else 1,
                      processes_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -347,7 +346,8 @@ def _build_model(cfg: TrainConfig, accelerator, log):
 
 def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad_to_multiple_of: int):
     """The training data with its sharded, resumable sampler (batches padded to a multiple of
-    `pad_to_multiple_of` tokens); the run's length in optimizer steps; the evaluation sets (sharded loaders)."""
+    `pad_to_multiple_of` tokens); the run's length in optimizer steps; the evaluation sets (sharded loaders): Box
+    validation and test, or for own data (`splits` an `OwnData`) its first eval split and {name: every one}."""
     from llm_surgery.box_data import BoxCollator
 
     own = splits if not isinstance(splits, dict) else None
@@ -360,18 +360,17 @@ def _build_data(cfg: TrainConfig, accelerator, tokenizer, splits: dict, log, pad
     if own is not None:  # every eval split; the first is the one validated during training
         from .own_data import OwnEvalSet
 
-        sets = {name: OwnEvalSet(accelerator, name, data, cfg.eval_batch_size) for name, data in own.evals.items()}
-        log(f"data: {len(train_data):,} train examples ({sampler.batches_per_epoch} global batches of "
-            f"{sampler.global_batch} per epoch), eval splits {', '.join(f'{k} {len(v.data):,}' for k, v in sets.items())}"
-            f"; {total_steps} optimizer steps x {cfg.grad_accum} accumulation")
-        return train_data, sampler, collate, total_steps, next(iter(sets.values())), sets
-    val_set = EvalSet(accelerator, tokenizer, "validation", cap_records(splits["validation"], cfg.max_eval_examples),
-                      cfg.eval_batch_size)
-    test_set = EvalSet(accelerator, tokenizer, "test", cap_records(splits["test"], cfg.max_eval_examples),
-                       cfg.eval_batch_size)
+        test_set = {name: OwnEvalSet(accelerator, name, data, cfg.eval_batch_size) for name, data in own.evals.items()}
+        val_set = next(iter(test_set.values()))
+        evals = "eval splits " + ", ".join(f"{k} {len(v.data):,}" for k, v in test_set.items())
+    else:
+        val_set = EvalSet(accelerator, tokenizer, "validation",
+                          cap_records(splits["validation"], cfg.max_eval_examples), cfg.eval_batch_size)
+        test_set = EvalSet(accelerator, tokenizer, "test", cap_records(splits["test"], cfg.max_eval_examples),
+                           cfg.eval_batch_size)
+        evals = f"{len(val_set.records):,} validation, {len(test_set.records):,} test"
     log(f"data: {len(train_data):,} train examples ({sampler.batches_per_epoch} global batches of "
-        f"{sampler.global_batch} per epoch), {len(val_set.records):,} validation, {len(test_set.records):,} test; "
-        f"{total_steps} optimizer steps x {cfg.grad_accum} accumulation")
+        f"{sampler.global_batch} per epoch), {evals}; {total_steps} optimizer steps x {cfg.grad_accum} accumulation")
     return train_data, sampler, collate, total_steps, val_set, test_set
 
 
@@ -574,61 +573,30 @@ def _checkpoint(r: _Run, done: int) -> None:
 # ---------------------------------------------------------------- the end
 
 def _finish(r: _Run) -> dict:
-    """Throughput, `final/` (saved before the evaluation: a failing one loses no training), the last validation
-    and test evaluations, and the results on every process (written by the main one)."""
+    """Throughput, `final/` (saved before the evaluation: a failing one loses no training), the last evaluations
+    (Box: validation and test; own data: every eval split), the host alone, and the results on every process
+    (written by the main one)."""
     cfg, acc = r.cfg, r.accelerator
     throughput = _throughput(r)
     save_final(acc, r.model, r.out_dir / "final", cfg)
     if r.own is not None:
-        return _finish_own(r, throughput)
-    with r.profile.evaluation("validation"):
-        val = evaluate(acc, r.model, r.tokenizer, r.val_set, cfg.train_max_ops, cfg.eval_mode)
-    with r.profile.evaluation("test"):
-        test = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+        with r.profile.evaluation("test"):
+            own = _evaluate_own(r)
+        evals = {"dataset": {"source": r.own.source, "format": r.own.format, "splits": r.own.report}, "eval": own}
+    else:
+        with r.profile.evaluation("validation"):
+            val = evaluate(acc, r.model, r.tokenizer, r.val_set, cfg.train_max_ops, cfg.eval_mode)
+        with r.profile.evaluation("test"):
+            test = evaluate(acc, r.model, r.tokenizer, r.test_set, cfg.train_max_ops, cfg.eval_mode)
+        evals = {"validation": val, "test": test}
     _host_alone(r)
     results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
                "throughput": throughput, "num_processes": acc.num_processes,
-               "distributed_type": acc.distributed_type.value,
-               "run_id": r.run_id, "validation": val, "test": test, "host_alone": r.host_alone,
-               "step_profile": r.profile.result(),
+               "distributed_type": acc.distributed_type.value, "run_id": r.run_id, **evals,
+               "host_alone": r.host_alone, "step_profile": r.profile.result(),
                "config": {**cfg.to_dict(), "mixed_precision": acc.mixed_precision}}
     if acc.is_main_process:
         _write_results(r, results)
-    acc.wait_for_everyone()
-    _release_model(r)
-    acc.end_training()
-    return results
-
-
-def _finish_own(r: _Run, throughput: dict) -> dict:
-    """`_finish` for own data: every eval split evaluated, the results (and the data counts) on every process."""
-    cfg, acc = r.cfg, r.accelerator
-    with r.profile.evaluation("test"):
-        evals = _evaluate_own(r)
-    _host_alone(r)
-    results = {"kind": cfg.kind, "n": cfg.n, "host": r.host_desc, "steps": r.total_steps, "params": r.sizes,
-               "throughput": throughput, "num_processes": acc.num_processes,
-               "distributed_type": acc.distributed_type.value, "run_id": r.run_id,
-               "dataset": {"source": r.own.source, "format": r.own.format, "splits": r.own.report},
-               "eval": evals, "host_alone": r.host_alone, "step_profile": r.profile.result(),
-               "config": {**cfg.to_dict(), "mixed_precision": acc.mixed_precision}}
-    if acc.is_main_process:
-        from rich.console import Console
-
-        from .outputs import write_json
-        from .own_data import results_table
-
-        write_json(r.out_dir / "results.json", results)
-        if results["step_profile"] is not None:
-            write_json(r.out_dir / "step_profile.json", results["step_profile"])
-        r.metrics.log({"step": r.total_steps, "throughput": throughput})
-        r.metrics.log({"step": r.total_steps, **_own_record(evals)})
-        r.metrics.close()
-        console = Console()
-        console.width = max(console.width, 110)
-        console.print(results_table(evals, r.host_alone, f"{r.own.source}: host + {cfg.n} x {cfg.kind} inserted "
-                                                         "layers"))
-        r.log(f"inserted layers: {r.out_dir / 'final'}; results: {r.out_dir / 'results.json'}")
     acc.wait_for_everyone()
     _release_model(r)
     acc.end_training()
@@ -672,8 +640,8 @@ def _throughput(r: _Run) -> dict:
 
 
 def _write_results(r: _Run, results: dict) -> None:
-    """The main process's outputs: results.json, the step profile, the last metrics records, the results table and
-    the optional plot."""
+    """The main process's outputs: results.json, the step profile, the last metrics records and the results table
+    (Box: with the optional plot; own data: a row per eval split)."""
     from .outputs import write_json
 
     out_dir, log = r.out_dir, r.log
@@ -681,19 +649,32 @@ def _write_results(r: _Run, results: dict) -> None:
     if results["step_profile"] is not None:
         write_json(out_dir / "step_profile.json", results["step_profile"])
         log(profile_table(results["step_profile"]))
-    test = results["test"]
     r.metrics.log({"step": r.total_steps, "throughput": results["throughput"]})
-    r.metrics.log({"step": r.total_steps, "val_accuracy": results["validation"]["accuracy"],
-                   "test_iid_accuracy": test["iid"]["accuracy"], "test_ood_accuracy": test["ood"]["accuracy"]})
+    if r.own is not None:
+        r.metrics.log({"step": r.total_steps, **_own_record(results["eval"])})
+    else:
+        test = results["test"]
+        r.metrics.log({"step": r.total_steps, "val_accuracy": results["validation"]["accuracy"],
+                       "test_iid_accuracy": test["iid"]["accuracy"], "test_ood_accuracy": test["ood"]["accuracy"]})
     r.metrics.close()
-    print_results(results)
-    if r.cfg.plot:
-        try:
-            from .plot import plot_run
-            png = plot_run(results, out_dir / "accuracy.png")
-            log(f"plot: {png}")
-        except ImportError as e:  # matplotlib is optional on bare GPU images
-            log(f"no plot ({e})")
+    if r.own is not None:
+        from rich.console import Console
+
+        from .own_data import results_table
+
+        console = Console()
+        console.width = max(console.width, 110)
+        console.print(results_table(results["eval"], r.host_alone, f"{r.own.source}: host + {r.cfg.n} x "
+                                                                    f"{r.cfg.kind} inserted layers"))
+    else:
+        print_results(results)
+        if r.cfg.plot:
+            try:
+                from .plot import plot_run
+                png = plot_run(results, out_dir / "accuracy.png")
+                log(f"plot: {png}")
+            except ImportError as e:  # matplotlib is optional on bare GPU images
+                log(f"no plot ({e})")
     log(f"inserted layers: {out_dir / 'final'}; results: {out_dir / 'results.json'}")
 
 
