@@ -21,8 +21,8 @@ HOST_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # go. Every other field (and the number of processes) must equal the checkpoint's, or `--resume` refuses.
 MAY_CHANGE_ON_RESUME = ("output_dir", "resume", "overwrite", "progress", "tensorboard", "plot", "log_every",
                         "eval_every", "save_every", "keep_last", "eval_batch_size", "cache_dir", "quick_autotune",
-                        "retune", "host_kernels", "gradient_checkpointing", "memory_check", "num_workers", "profile_steps",
-                        "ddp_bucket_mb", "cuda_graphs")
+                        "retune", "host_kernels", "gradient_checkpointing", "memory_check", "num_workers",
+                        "profile_steps", "ddp_bucket_mb", "cuda_graphs")
 
 
 class UsageError(ValueError):

@@ -204,7 +204,7 @@ def check_args(args) -> None:
         raise UsageError(f"--init {args.init} is not a host made by make_host (no host.json)")
     if args.minutes < 0 or args.steps < 1 or args.batch_size < 1 or args.sequences < 1 or not args.lr > 0:
         raise UsageError("--minutes must be >= 0, --steps, --batch-size and --sequences >= 1, --lr > 0")
-    spec = json_object(args.spec, "--spec", UsageError)
+    json_object(args.spec, "--spec", UsageError)
 
 
 def main(argv: list[str] | None = None) -> None:

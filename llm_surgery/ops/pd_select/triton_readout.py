@@ -150,8 +150,9 @@ def _injection_bwd_kernel(gbre_ptr, gbim_ptr, gy_ptr, u_ptr, skip_ptr, bw_ptr, g
 BLOCK_L = 64   # the forward kernels' tokens per block
 # the backward kernels' launch for heads of up to 32 x 32 (state x width; the registry's defaults): tokens per block,
 # blocks per program (whose weight gradients are summed before the program's atomic adds), warps. From `python
-# bench/ste_kernels.py --readout-only` (`git show 8438c3e:bench/ste_kernels.py`) and an A/B in the layer (H100, width 1024, B=32): 0.9% off forward + backward
-# at L=8192 against LARGE_HEAD_BWD_CONFIG for both, within noise at 2048-4096 (BENCHMARKS.md). Larger heads, whose
+# bench/ste_kernels.py --readout-only` (`git show 8438c3e:bench/ste_kernels.py`) and an A/B in the layer (H100,
+# width 1024, B=32): 0.9% off forward + backward at L=8192 against LARGE_HEAD_BWD_CONFIG for both, within noise at
+# 2048-4096 (BENCHMARKS.md). Larger heads, whose
 # weight tiles these sizes were not measured with, keep LARGE_HEAD_BWD_CONFIG.
 READOUT_BWD_CONFIG = {"block_l": 64, "repeat": 4, "num_warps": 2}
 INJECTION_BWD_CONFIG = {"block_l": 128, "repeat": 8, "num_warps": 4}
