@@ -1,425 +1,501 @@
-"""Box reproduction at the largest host that can cross device calls, staged over several calls: pretrain a
-Granite-4.0-architecture host (resumable: its checkpoint comes back through $OUT and goes in again with `carry`),
-then fine-tune 4 inserted layers of each kind on the frozen host with the paper's recipe, 3 seeds per kind, one
-call per kind (or the kinds side by side in one); then merge the results into one table and plot (no GPU).
+"""Box at scale in one device lease: how Flash PD-SSM's gap to Mamba2 and DeltaNet moves with the host's size.
 
-    python bench/box_scale.py pretrain --out $OUT                                  # call 1
-    python bench/box_scale.py pretrain --resume box_scale/host --out $OUT          # call 2.. (until done)
-    python bench/box_scale.py finetune --host box_scale/host --kinds pdssm --seeds 0,1,2 --out $OUT
-    python bench/box_scale.py summarize box_scale/results --out box_scale/summary
+`run` pretrains a Granite-4.0-H hybrid host (GraniteMoeHybridForCausalLM from a config: Mamba2 and NoPE attention
+layers 9 : 1 with attention at layers 5, 15, 25, 35 as in granite-4.0-h-micro; 124 M parameters at `--scale 124m`)
+on the Box *language* (descriptions with operations, restatements; never a query or an answer) for a wall-clock
+budget, then fine-tunes 4 inserted layers of each kind on the frozen host with the granite350m recipe: a
+learning-rate sweep at seed 0, then seeds 1.. at each kind's best rate by *validation* exact match, trainer
+processes side by side on the GPU(s); then each chosen run again with its inserted mixers seeing every token alone
+(`insert.ablation.tokens_alone`: what their memory adds). A JSON line per evaluation goes to <out>/rows.jsonl as it
+finishes. `summarize` merges the rows of several host sizes into a table and a plot.
 
-`--scale 27m-language` pretrains the same host on the Box language alone (no queries: only the inserted layers
-learn to answer); `finetune --set '{"lr": 0.003}'` runs a variant of the recipe.
+    setsid python bench/box_scale.py run --out /tmp/box_scale > /tmp/box_scale.out 2>&1 &   # the device, polled
+    python bench/box_scale.py run --scale tiny --out /tmp/box_tiny             # the whole flow on the CPU, tiny
+    python bench/box_scale.py run --scale shipped --out /tmp/box_shipped       # the shipped host (CPU main job)
+    python bench/box_scale.py summarize docs/bench/data/box_scale_*.jsonl --out docs/bench
 
-Why 27 M parameters (`SCALES["27m"]`): what crosses calls must fit the device's transfer limits (64 MiB through
-$OUT and 64 MiB of working tree with `carry`, the repo included), so the checkpoint is the weights alone in
-bfloat16 (2 bytes a parameter, in shards of at most 15 MiB; `TRANSPORT_MIB`); Adam's moments (8 bytes a parameter
-more) do not fit, so a resumed call restarts the optimizer and ramps the learning rate back over `rewarm` steps.
-docs/bench/train.md ("Box reproduction at scale") has the stages, the calls and their measured times.
+`--scale shipped` skips pretraining: it fine-tunes the shipped 162k host with the CPU main job's settings, the same
+sweep, seeds and ablation, so the smallest size's rows come from the same flow.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from box_repro import KINDS, PLAIN, Log, summary  # noqa: E402  (the small reproduction's helpers)
-
-TRANSPORT_MIB = 56  # the host's bf16 shards: 64 MiB of working tree less the repo (~5 MiB) and some margin
-SHARD_MIB = 15  # files from $OUT: at most 16 MiB each, 8 in all
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("pdssm", "mamba2", "deltanet")
+BASELINES = ("mamba2", "deltanet")
 RECIPE = "granite350m"  # the paper's recipe of the nearest Granite 4.0 size (llm_surgery.train.paper)
 
-#: What determines the host (a resume must match it): its shape and its pretraining.
-HOST_KEYS = ("hidden", "pattern", "heads", "kv_heads", "mamba_state", "host_data", "host_steps", "host_batch",
-             "host_lr", "host_sequences", "warmup_ratio", "data_seed", "seed")
+#: Each kind's learning-rate grid, around the best rates of the earlier sizes (docs/bench/box.md).
+LR_GRID = {"pdssm": (1e-4, 3e-4, 1e-3), "mamba2": (3e-4, 1e-3, 3e-3), "deltanet": (3e-4, 1e-3, 3e-3)}
+
 SCALES = {
-    # 27.0 M parameters (51.4 MiB in bf16): 16 layers, 3 Mamba2 : 1 attention (the Granite 4.0 H hosts are
-    # Mamba2 hybrids), RoPE and plain multipliers as in the small reproduction whose host learned the lookup.
-    # 4,000 steps x 256 IID examples (~1 M examples, ~90 M tokens; loss on the completion) in about 2 calls.
-    "27m": dict(hidden=384, pattern="MMM*" * 4, heads=6, kv_heads=2, mamba_state=16, host_data="task",
-                host_steps=4000, host_batch=256, host_lr=6e-4, host_sequences=10000, warmup_ratio=0.1,
-                host_seconds=420, rewarm=100, steps=600, batch=64, sequences=1000, max_eval_examples=4000,
-                eval_batch=256, test_max_ops=26, data_seed=2255, seed=0),
-    # The same host pretrained on the Box *language* alone (the shipped host's documents, `make_host`: descriptions
-    # with operations, and restatements of boxes; never a query or an answer), the paper's split of roles: only
-    # the inserted layers learn to answer. 2,400 steps x 256 documents of 60,000 fit one call (~0.17 s a step).
-    "27m-language": dict(hidden=384, pattern="MMM*" * 4, heads=6, kv_heads=2, mamba_state=16, host_data="language",
-                         host_steps=2400, host_batch=256, host_lr=6e-4, host_sequences=20000, warmup_ratio=0.1,
-                         host_seconds=450, rewarm=100, steps=600, batch=64, sequences=1000,
-                         max_eval_examples=4000, eval_batch=256, test_max_ops=26, data_seed=2255, seed=0),
-    # The CPU check of the flow (seconds): nothing is expected to be learned.
-    "tiny": dict(hidden=32, pattern="M*" * 4, heads=2, kv_heads=1, mamba_state=16, host_data="task", host_steps=8,
-                 host_batch=8,
-                 host_lr=3e-3, host_sequences=20, warmup_ratio=0.1, host_seconds=0, rewarm=2, steps=3, batch=4,
-                 sequences=20, max_eval_examples=70, eval_batch=64, test_max_ops=8, data_seed=2255, seed=0),
+    # 124 M parameters: width 512, 40 layers "MMMMM*MMMM" x 4; Mamba2 as granite-4.0-h-micro's (heads x 64 =
+    # 2 x width, state 128, one group), shared MLP 2 x width. ~13 minutes of pretraining on one H200.
+    "124m": dict(hidden=512, pattern="MMMMM*MMMM" * 4, heads=8, kv_heads=2, mamba_head=64, mamba_state=128,
+                 mlp=1024, host_sequences=100_000, host_batch=256, host_lr=5e-4, host_minutes=13.0, minutes=24.0,
+                 finetune_minutes=9.5, parallel=9, recipe=RECIPE, steps=600, batch=64, sequences=1000,
+                 max_eval_examples=4000, eval_batch=256, test_max_ops=26, seeds=3),
+    # The shipped host and the CPU main job's settings (llm_surgery.train's defaults), two runs side by side.
+    "shipped": dict(host="shipped", minutes=0.0, finetune_minutes=0.0, parallel=2, recipe=None, steps=600, batch=8,
+                    sequences=200, max_eval_examples=1134, eval_batch=32, test_max_ops=26, seeds=3),
+    # The CPU check of the flow (a few minutes): nothing is expected to be learned.
+    "tiny": dict(hidden=32, pattern="MMMMM*MMMM" * 4, heads=2, kv_heads=1, mamba_head=16, mamba_state=16, mlp=64,
+                 host_sequences=40, host_batch=8, host_lr=3e-3, host_minutes=0.0, minutes=0.0, finetune_minutes=0.0,
+                 parallel=2, recipe=RECIPE, steps=3, batch=4, sequences=40, max_eval_examples=70, eval_batch=64,
+                 test_max_ops=8, seeds=2, host_steps=6),
 }
 
 
-class Refused(SystemExit):
-    """A one-line refusal before any work starts (exit status 2)."""
-
-    def __init__(self, msg: str):
-        print(f"box_scale: error: {msg}", file=sys.stderr)
-        super().__init__(2)
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S ") + msg, flush=True)
 
 
-# ---------------------------------------------------------------- the host and its checkpoint
+# ---------------------------------------------------------------- the host
 
-def build(spec: dict, device: str = "cpu"):
-    """The Granite 4.0 host of `spec` and the Box word tokenizer (on the meta device: shapes only, no memory)."""
+def build_host(spec: dict, seed: int = 0):
+    """The Granite-4.0-H host of `spec` (random weights) and the Box word tokenizer."""
     from llm_surgery.box_data import build_box_tokenizer
     from llm_surgery.hosts import build_tiny_host
 
     tok = build_box_tokenizer()
     head_dim = spec["hidden"] // spec["heads"]
-    with torch.device(device):
-        model = build_tiny_host("granite", seed=spec["seed"], hidden_size=spec["hidden"], vocab_size=len(tok),
-                                pattern=spec["pattern"], num_attention_heads=spec["heads"],
-                                num_key_value_heads=spec["kv_heads"], attention_multiplier=head_dim ** -0.5,
-                                mamba_d_state=spec["mamba_state"], mamba_chunk_size=64, device=device,
-                                position_embedding_type="rope", **PLAIN["plain"])
+    model = build_tiny_host(
+        "granite", seed=seed, hidden_size=spec["hidden"], vocab_size=len(tok), pattern=spec["pattern"],
+        num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"], attention_multiplier=head_dim ** -0.5,
+        mamba_n_heads=2 * spec["hidden"] // spec["mamba_head"], mamba_d_head=spec["mamba_head"],
+        mamba_d_state=spec["mamba_state"], mamba_chunk_size=64, shared_intermediate_size=spec["mlp"],
+        intermediate_size=spec["mlp"], position_embedding_type="nope", embedding_multiplier=1.0,
+        residual_multiplier=1.0, logits_scaling=1.0)
     return model, tok
 
 
-def unique_weights(model) -> dict[str, torch.Tensor]:
-    """The state dict without the tied copies (the LM head is the embedding: `named_parameters` lists it once)."""
-    keep = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    return {k: v for k, v in model.state_dict().items() if k in keep}
+def documents(sequences: int, workers: int) -> tuple[list[str], list[str]]:
+    """The shipped host's kind of documents (`make_host.language_documents`) from `sequences` Box sequences, drawn
+    in chunks by a process pool (chunk k from document stream 1 + k); the held-out restatements of chunk 0."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from llm_surgery.train.make_host import language_documents
+
+    chunks = max(1, min(workers, sequences // 1000))
+    sizes = [sequences // chunks + (k < sequences % chunks) for k in range(chunks)]
+    with ProcessPoolExecutor(chunks) as pool:
+        parts = list(pool.map(language_documents, sizes, [1 + k for k in range(chunks)], range(chunks)))
+    return [d for docs, _ in parts for d in docs], parts[0][1]
 
 
-def transport_bytes(model) -> int:
-    return sum(2 * t.numel() for t in unique_weights(model).values())
+def seconds_per_step(model, batches, device, amp, steps: int = 6) -> float:
+    """A pretraining step's time (forward and backward, no update: the weights stay as they are), after two steps
+    that compile and tune the kernels."""
+    model.to(device).train()
+    for k in range(2 + steps):
+        if k == 2:
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.time()
+        batch = {key: v.to(device) for key, v in next(batches).items()}
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            model(**batch, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    return (time.time() - t0) / steps
 
 
-def save_host(path: Path, model, state: dict) -> None:
-    """Weights in bf16 shards of at most SHARD_MIB plus state.json, written beside `path` and renamed onto it."""
-    from safetensors.torch import save_file
+def pretrain_host(args, spec: dict, work: Path, deadline: float) -> dict:
+    """Pretrain the host on Box-language documents for what the budget leaves; save it to <work>/host."""
+    from llm_surgery.train.make_host import encode_docs, pretrain_docs, restatement_accuracy, shuffled_batches
+    from llm_surgery.triton_autotune import persistent_autotune
 
-    from llm_surgery.train.checkpoint import replace_dir
+    t0 = time.time()
+    device = torch.device(args.device)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    if device.type == "cuda":
+        from llm_surgery.host_kernels import use_mamba_kernels_for_hosts
 
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards, size = [{}], 0
-    for name, t in unique_weights(model).items():
-        if size and size + 2 * t.numel() > SHARD_MIB * 2**20:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().to("cpu", torch.bfloat16).contiguous()
-        size += 2 * t.numel()
-    digest = hashlib.sha256()
-    for i, shard in enumerate(shards):
-        save_file(shard, tmp / f"weights-{i:02d}.safetensors")
-        digest.update((tmp / f"weights-{i:02d}.safetensors").read_bytes())
-    (tmp / "state.json").write_text(json.dumps({**state, "shards": len(shards),
-                                                "fingerprint": digest.hexdigest()[:16]}, indent=2))
-    replace_dir(tmp, path)
-
-
-def load_host(path: Path, spec: dict | None = None):
-    """(model in float32, tokenizer, state) from a checkpoint; refuses one of another spec or an incomplete one."""
-    from safetensors.torch import load_file
-
-    state_file = Path(path) / "state.json"
-    if not state_file.is_file():
-        raise Refused(f"{path} is not a box_scale host checkpoint (no state.json)")
-    state = json.loads(state_file.read_text())
-    if spec is not None:
-        diff = [f"{k}: {state['spec'].get(k)!r} there, {spec[k]!r} here" for k in HOST_KEYS
-                if state["spec"].get(k) != spec[k]]
-        if diff:
-            raise Refused(f"{path} was pretrained with other settings ({'; '.join(diff)}): resume with the same "
-                          "--scale and host flags, or start a new host without --resume")
-    files = [Path(path) / f"weights-{i:02d}.safetensors" for i in range(state["shards"])]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise Refused(f"{path} is incomplete: missing {', '.join(missing)}")
-    model, tok = build(state["spec"])
-    weights = {}
-    for f in files:
-        weights.update(load_file(f))
-    expected = unique_weights(model)
-    if set(weights) != set(expected):
-        raise Refused(f"{path} does not hold this host's weights (missing {sorted(set(expected) - set(weights))[:3]}"
-                      f", unexpected {sorted(set(weights) - set(expected))[:3]})")
-    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    return model, tok, state
-
-
-# ---------------------------------------------------------------- stages
-
-def spec_of(args) -> dict:
-    return {k: getattr(args, k) for k in (*HOST_KEYS, "host_seconds", "rewarm", "sequences",
-                                          "max_eval_examples", "eval_batch", "test_max_ops")}
-
-
-def host_batches(spec: dict, tok, start: int):
-    """(endless training batches from step `start` on, what they are): "task", Box examples with the loss on the
-    completion (the host learns to answer IID queries itself); "language", the shipped host's documents with the
-    loss on every token (it learns to read the boxes, never to answer)."""
-    import itertools
-
-    from llm_surgery.train import make_host
-    from llm_surgery.train.data import make_splits
-    from llm_surgery.train.host import task_batches
-
-    if spec["host_data"] == "language":
-        docs, _ = make_host.language_documents(spec["host_sequences"], doc_seed=1, seed=spec["seed"])
-        batches = make_host.shuffled_batches(make_host.encode_docs(tok, docs), spec["host_batch"], spec["seed"])
-        return itertools.islice(batches, start, None), f"{len(docs):,} Box-language documents (no queries)"
-    records = make_splits(spec["host_sequences"], spec["data_seed"], 6, 6)["train"]
-    return (task_batches(tok, records, spec["host_batch"], spec["seed"], start),
-            f"{len(records):,} Box examples (loss on the answers)")
-
-
-def stage_pretrain(args, out: Path, log) -> dict:
-    """Pretrain (or continue) the host for at most --host-seconds; write the checkpoint to <out>/host."""
-    from box_repro import eval_sets, trainer_config
-
-    from llm_surgery.train.evaluate import evaluate
-    from llm_surgery.train.host import train_all_weights
-    from llm_surgery.train.setup import make_accelerator, use_cuda_kernels
-
-    spec = spec_of(args)
-    need = transport_bytes(build(spec, "meta")[0])
-    if need > TRANSPORT_MIB * 2**20:
-        raise Refused(f"this host's bf16 weights take {need / 2**20:.1f} MiB, over the {TRANSPORT_MIB} MiB that can "
-                      "cross device calls: choose a smaller --hidden or --pattern")
-    if args.resume:
-        model, tok, state = load_host(Path(args.resume), spec)
-        if state["step"] >= spec["host_steps"]:
-            raise Refused(f"{args.resume} is done ({state['step']}/{spec['host_steps']} steps): go on to finetune")
+        persistent_autotune()
+        log(use_mamba_kernels_for_hosts())
+    docs, held_out = documents(spec["host_sequences"], os.cpu_count() or 1)
+    model, tok = build_host(spec)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"host: {params:,} params, width {spec['hidden']}, {spec['pattern']}, {len(docs):,} documents "
+        f"({time.time() - t0:.0f} s)")
+    model.save_pretrained(work / "host_init")
+    tok.save_pretrained(work / "host_init")
+    smoke(args, spec, work)
+    if "host_steps" in spec:
+        steps, step_s = spec["host_steps"], None
     else:
-        model, tok = build(spec)
-        state = {"spec": spec, "step": 0, "calls": [], "curve": []}
-    accelerator = make_accelerator(trainer_config(args))
-    use_cuda_kernels(trainer_config(args), accelerator, log)  # the host's Mamba2 layers on mamba-ssm's kernels
-    sets = eval_sets(accelerator, tok, args)
-    batches, what = host_batches(spec, tok, state["step"])
-    n = sum(p.numel() for p in model.parameters())
-    log(f"host: {n:,} params ({need / 2**20:.1f} MiB in bf16), hidden {spec['hidden']}, {spec['pattern']}, heads "
-        f"{spec['heads']}/{spec['kv_heads']}; steps {state['step']} -> {spec['host_steps']} x batch "
-        f"{spec['host_batch']}, lr {spec['host_lr']}, {what}, at most {spec['host_seconds'] or 'no limit on'} s")
-    t0, reached = time.time(), []
-    amp = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
-    loss = train_all_weights(model, batches, steps=spec["host_steps"], lr=spec["host_lr"],
-                             device=accelerator.device, autocast_dtype=amp, warmup_ratio=spec["warmup_ratio"],
-                             start=state["step"], rewarm_steps=spec["rewarm"], log=log,
-                             log_every=max(1, spec["host_steps"] // 20), on_eval=lambda k, _: reached.append(k),
-                             max_seconds=spec["host_seconds"] or None, stop_at=args.stop_at)  # on_eval: last step
-    seconds = time.time() - t0
-    step = reached[-1]
-    with accelerator.autocast():
-        val = evaluate(accelerator, model, tok, sets["validation"], 6)
-    log(f"host at step {step}/{spec['host_steps']} ({seconds:.0f} s this call): validation {summary(val)}")
-    state["calls"].append({"steps": step - state["step"], "seconds": round(seconds), "loss": loss,
-                           "examples_per_s": round((step - state["step"]) * spec["host_batch"] / seconds),
-                           "device": device_name(accelerator.device),
-                           "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-    state["step"] = step
-    state["curve"].append({"step": step, "loss": loss, "val_accuracy": val["accuracy"],
-                           "val_token_accuracy": val["token_accuracy"]})
-    save_host(out / "host", model, state)
-    done = step >= spec["host_steps"]
-    log(f"wrote {out / 'host'}; " + ("pretraining done: next, finetune" if done else
-                                     "not done: call again with --resume <this host>"))
-    return state
+        buckets = shuffled_batches(encode_docs(tok, docs[:20 * spec["host_batch"]]), spec["host_batch"], 99, 8)
+        step_s = seconds_per_step(model, buckets, device, amp)
+        budget = min(60 * spec["host_minutes"], deadline - time.time() - 60 * spec["finetune_minutes"])
+        steps = int(budget / (step_s * 1.03))  # the update and the evaluations: ~3% more (measured)
+        log(f"pretraining: {step_s:.3f} s a step -> {steps} steps in {budget:.0f} s")
+    t1 = time.time()
+    curve = pretrain_docs(model, tok, docs, held_out[:200], batch_size=spec["host_batch"], lr=spec["host_lr"],
+                          max_seconds=float("inf"), steps=steps, seed=0, log=log, eval_every=max(1, steps // 8),
+                          buckets=8, device=device, autocast_dtype=amp)
+    seconds = time.time() - t1
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        restated = restatement_accuracy(model, tok, held_out)
+    doc_tokens = statistics.fmean(len(d) for d in encode_docs(tok, docs[:5000]))
+    host = {"params": params, "spec": spec, "steps": steps, "step_seconds": step_s, "seconds": round(seconds),
+            "documents": len(docs), "tokens_seen": round(steps * spec["host_batch"] * doc_tokens),
+            "restatement_accuracy": round(100 * restated, 1),
+            "curve": curve, "device": device_name(device), "versions": versions()}
+    model.to("cpu").save_pretrained(work / "host")
+    tok.save_pretrained(work / "host")
+    (work / "host" / "host.json").write_text(json.dumps(host, indent=1))
+    log(f"host pretrained: {steps} steps in {seconds:.0f} s, restated objects right {host['restatement_accuracy']}%")
+    del model
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return host
 
 
 def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def stage_finetune(args, out: Path, log) -> dict:
-    """Per kind and seed: the frozen host + 4 inserted layers through llm_surgery.train, the paper's recipe;
-    the results of the whole call in one file, <out>/finetune-<kinds>-s<seeds>.json (rewritten after each run)."""
-    from box_repro import trainer_config
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
 
-    from llm_surgery.train import train
-    from llm_surgery.train.outputs import write_json
+    out = {}
+    for name in ("torch", "transformers", "triton", "flash-linear-attention", "mamba-ssm"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------- the fine-tuning runs
+
+def trainer_settings(args, spec: dict, host_dir: str | None, kind: str, lr: float, seed: int, out: Path,
+                     eval_host: bool) -> dict:
+    """A fine-tuning run's TrainConfig fields: the recipe (none: the trainer's defaults, the CPU main job's), the
+    scale's steps, batch and evaluation sets."""
     from llm_surgery.train.paper import recipe_defaults
 
-    model, tok, state = load_host(Path(args.host))
-    spec = state["spec"]
-    if state["step"] < spec["host_steps"]:
-        log(f"warning: {args.host} is pretrained for {state['step']} of {spec['host_steps']} steps only")
-    for k in ("sequences", "max_eval_examples", "eval_batch", "test_max_ops", "data_seed"):
-        setattr(args, k, spec[k])  # the splits and caps the host was validated on
-    hf_dir = Path(args.work) / "host_hf"
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    model.save_pretrained(hf_dir)
-    tok.save_pretrained(hf_dir)
-    recipe = {k: v for k, v in recipe_defaults(RECIPE).items()
-              if k in ("n", "weight_decay", "warmup_ratio", "lr", "schedule", "min_lr_ratio", "tau", "tau_end")}
-    runs = []
-    name = f"finetune-{'-'.join(args.kinds)}-s{'-'.join(map(str, args.seeds))}{'-' + args.tag if args.tag else ''}.json"
-    result = {"host": {"fingerprint": state["fingerprint"], "step": state["step"], "spec": spec},
-              "recipe": {"name": RECIPE, **recipe, "steps": args.steps, "batch": args.batch}, "set": args.set,
-              "device": device_name(torch.device(args.device)), "runs": runs}
-    for kind in args.kinds:
-        for seed in args.seeds:
-            t0 = time.time()
-            args.seed = seed
-            log(f"== {kind} seed {seed}: {recipe}, {args.steps} steps x batch {args.batch}")
-            cfg = trainer_config(args, model=str(hf_dir), kind=kind, max_steps=args.steps, batch_size=args.batch,
-                                 log_every=max(1, args.steps // 10), eval_host=not runs,  # host alone: once a call
-                                 output_dir=str(Path(args.work) / f"{kind}-s{seed}"), **{**recipe, **args.set})
-            res = train(cfg)
-            seconds = time.time() - t0
-            log(f"{kind} seed {seed}: {seconds:.0f} s; test {summary(res['test'])}")
-            runs.append({"kind": kind, "seed": seed, "set": args.set, "test": res["test"],
-                         "host_alone": res["host_alone"], "params": res["params"], "seconds": round(seconds),
-                         "tokens_per_s": res["throughput"]["tokens_per_s_per_process"]})
-            write_json(out / name, result)  # after every run: a call cut short keeps the runs it finished
-            log(f"wrote {out / name} ({len(runs)} runs)")
-    return json.loads(json.dumps(result))
+    recipe = {k: v for k, v in (recipe_defaults(spec["recipe"]) if spec["recipe"] else {}).items()
+              if k in ("n", "weight_decay", "warmup_ratio", "schedule", "min_lr_ratio", "tau", "tau_end")}
+    return {**recipe, "model": host_dir, "kind": kind, "lr": lr, "seed": seed, "max_steps": spec["steps"],
+            "batch_size": spec["batch"], "num_sequences": spec["sequences"], "test_max_ops": spec["test_max_ops"],
+            "max_eval_examples": spec["max_eval_examples"], "eval_batch_size": spec["eval_batch"],
+            "eval_host": eval_host, "cpu": args.device == "cpu", "host_dtype": "float32", "quick_autotune": True,
+            "progress": False, "tensorboard": False, "plot": False, "overwrite": True,
+            "log_every": max(1, spec["steps"] // 10), "output_dir": str(out)}
 
 
-def _mean_std(xs: list[float | None]) -> tuple[float, float] | None:
-    """Mean and standard deviation (0 for one value) in %; None where a split had nothing to score."""
-    xs = [100 * x for x in xs if x is not None]
-    if not xs:
+class Job:
+    """One child process: `finetune-one` (a trainer run) or `ablate` (a finished run, tokens alone)."""
+
+    def __init__(self, what: str, kind: str, lr: float, seed: int, run_dir: Path, stage: str, settings=None):
+        self.what, self.kind, self.lr, self.seed, self.dir, self.stage = what, kind, lr, seed, run_dir, stage
+        self.settings, self.proc, self.t0 = settings, None, None
+
+    @property
+    def name(self) -> str:
+        return f"{self.what} {self.kind} lr {self.lr:g} seed {self.seed}"
+
+    def start(self, args, gpu: int | None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.settings is not None:
+            (self.dir / "settings.json").write_text(json.dumps(self.settings))
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        cmd = [sys.executable, __file__, self.what, str(self.dir), "--device", args.device]
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.dir / f"{self.what}.log", "w"),
+                                     stderr=subprocess.STDOUT)
+
+
+def smoke(args, spec: dict, work: Path) -> None:
+    """Before the pretraining: a few steps of every kind on the random-weight host, side by side, so that a run
+    that cannot start fails in a minute, not after the pretraining (and the kernels are compiled once, here)."""
+    small = {**spec, "steps": 4, "max_eval_examples": 70}
+    jobs = [Job("finetune-one", k, LR_GRID[k][0], 0, work / f"smoke-{k}", "smoke",
+                trainer_settings(args, small, str(work / "host_init"), k, LR_GRID[k][0], 0, work / f"smoke-{k}",
+                                 False)) for k in args.kinds]
+    for k, job in enumerate(jobs):
+        job.start(args, k % torch.cuda.device_count() if args.device == "cuda" else None)
+    failed = [job for job in jobs if job.proc.wait() != 0]
+    for job in failed:
+        log(f"FAILED smoke run {job.name}:\n{(job.dir / 'finetune-one.log').read_text()[-3000:]}")
+    if failed:
+        raise SystemExit(1)
+    log(f"smoke runs of {', '.join(args.kinds)} passed ({time.time() - jobs[0].t0:.0f} s)")
+
+
+def finetune_one(run_dir: Path) -> None:
+    """A child: one trainer run with <run_dir>/settings.json (its outputs in run_dir)."""
+    from llm_surgery.train import TrainConfig, train
+
+    train(TrainConfig(**json.loads((run_dir / "settings.json").read_text())))
+
+
+def ablate(run_dir: Path) -> None:
+    """A child: the finished run's test split again with every inserted mixer seeing each token alone."""
+    from llm_surgery.insert.ablation import tokens_alone
+    from llm_surgery.train.evaluate import evaluate_run
+    from llm_surgery.train.outputs import write_json
+
+    write_json(run_dir / "tokens_alone.json", evaluate_run(run_dir, within=tokens_alone))
+
+
+def pct(x):
+    return None if x is None else round(100 * x, 2)
+
+
+def row(test: dict, **fields) -> dict:
+    """A rows.jsonl record: exact match and whole-state accuracy (%), and the exact-match curve over 0..N ops."""
+    n = max(int(k) for k in test["by_num_ops"])
+    return {**fields, "iid": pct(test["iid"]["accuracy"]), "ood": pct(test["ood"]["accuracy"]),
+            "whole_state": {"iid": pct(test["iid"]["state_accuracy"]), "ood": pct(test["ood"]["state_accuracy"])},
+            "curve": [pct(test["by_num_ops"][str(k)]["accuracy"]) for k in range(n + 1)]}
+
+
+def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path, out: Path, deadline: float) -> None:
+    """The sweep, the seeds at each kind's best rate and the ablations, `parallel` children at a time; a row per
+    finished evaluation. A job is not started when the time its kind's runs took so far would pass the deadline."""
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    base = {"host_params": host["params"], "host": args.scale, "recipe": spec["recipe"], "steps": spec["steps"],
+            "batch": spec["batch"], "device": host["device"], "versions": host["versions"],
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    rows_file = out / "rows.jsonl"
+
+    def write(r: dict) -> None:
+        with open(rows_file, "a") as f:
+            f.write(json.dumps({**base, **r}) + "\n")
+
+    def finetune(kind, lr, seed, stage):
+        d = work / f"{kind}-lr{lr:g}-s{seed}"
+        eval_host = stage == "sweep" and kind == args.kinds[0] and lr == LR_GRID[kind][0]  # the host alone: once
+        return Job("finetune-one", kind, lr, seed, d, stage,
+                   trainer_settings(args, spec, host_dir, kind, lr, seed, d, eval_host))
+
+    def chosen(kind, lr, validation) -> list[Job]:
+        """Once a kind's sweep is done (a failed run counts as done, unchosen): the seeds at its best rate by
+        validation exact match (ties: the lower rate) and the ablation of the sweep's run at that rate."""
+        sweep[kind][lr] = validation
+        if len(sweep[kind]) < len(LR_GRID[kind]) or all(v is None for v in sweep[kind].values()):
+            return []
+        best = max((r for r in LR_GRID[kind] if sweep[kind][r] is not None), key=lambda r: sweep[kind][r])
+        write({"kind": kind, "eval": "best lr", "lr": best, "sweep": {str(k): v for k, v in sweep[kind].items()}})
+        log(f"{kind}: best lr {best:g} by validation exact match {sweep[kind]}")
+        return [*(finetune(kind, best, s, "seeds") for s in range(1, spec["seeds"])),
+                Job("ablate", kind, best, 0, work / f"{kind}-lr{best:g}-s0", "seeds")]
+
+    pending = [finetune(k, lr, 0, "sweep") for k in args.kinds for lr in LR_GRID[k]]
+    running: list[Job] = []
+    sweep: dict[str, dict[float, dict]] = {k: {} for k in args.kinds}
+    took: list[float] = []
+    started = 0
+    while pending or running:
+        for job in [j for j in running if j.proc.poll() is not None]:
+            running.remove(job)
+            seconds = time.time() - job.t0
+            tail = (job.dir / f"{job.what}.log").read_text()[-2000:]
+            if job.proc.returncode != 0:
+                log(f"FAILED {job.name} (exit {job.proc.returncode}) after {seconds:.0f} s:\n{tail}")
+                if job.stage == "sweep":
+                    pending += chosen(job.kind, job.lr, None)
+                continue
+            meta = {"kind": job.kind, "seed": job.seed, "lr": job.lr, "stage": job.stage, "seconds": round(seconds)}
+            if job.what == "ablate":
+                write(row(json.loads((job.dir / "tokens_alone.json").read_text()), eval="tokens alone", **meta))
+                log(f"done {job.name} ({seconds:.0f} s)")
+                continue
+            took.append(seconds)
+            res = json.loads((job.dir / "results.json").read_text())
+            if res.get("host_alone"):
+                write(row(res["host_alone"], eval="host alone", **{**meta, "kind": "host"}))
+            validation = pct(res["validation"]["accuracy"])
+            write(row(res["test"], eval="as trained", validation=validation, params=res["params"]["trainable"],
+                      **meta))
+            log(f"done {job.name} ({seconds:.0f} s): validation {validation}, test IID "
+                f"{pct(res['test']['iid']['accuracy'])} / OOD {pct(res['test']['ood']['accuracy'])}")
+            if job.stage == "sweep":
+                pending += chosen(job.kind, job.lr, validation)
+            else:
+                pending.append(Job("ablate", job.kind, job.lr, job.seed, job.dir, "seeds"))
+        while pending and len(running) < spec["parallel"]:
+            job = pending.pop(0)
+            need = max(took) if took and job.what == "finetune-one" else 0
+            if args.deadline and time.time() + need > deadline:
+                log(f"not started (the deadline is {deadline - time.time():.0f} s away, a run took {need:.0f} s): "
+                    f"{job.name}")
+                continue
+            job.start(args, started % gpus if gpus else None)
+            started += 1
+            running.append(job)
+            log(f"started {job.name}")
+        time.sleep(0.5)
+
+
+def stage_run(args) -> None:
+    spec = SCALES[args.scale]
+    t0 = time.time()
+    deadline = t0 + 60 * spec["minutes"] if spec["minutes"] else float("inf")
+    args.deadline = spec["minutes"] > 0
+    out, work = Path(args.out), Path(args.out) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    (out / "rows.jsonl").write_text("")
+    log(f"box_scale run --scale {args.scale} on {args.device}, torch {torch.__version__}; {spec}")
+    if spec.get("host") == "shipped":
+        from llm_surgery.train.host import SHIPPED_HOST
+
+        host_dir = None   # the trainer's embedded default: the shipped host
+        host_info = json.loads((Path(SHIPPED_HOST) / "host.json").read_text())
+        host = {"params": host_info["parameters"], "device": device_name(torch.device(args.device)),
+                "versions": versions()}
+    elif args.host:
+        host_dir = args.host   # a host pretrained by an earlier `run` (its fine-tuning went wrong): not again
+        host = json.loads((Path(args.host) / "host.json").read_text())
+    else:
+        host = pretrain_host(args, spec, work, deadline)
+        host_dir = str(work / "host")
+    (out / "host.json").write_text(json.dumps({**host, "scale": args.scale}, indent=1))
+    finetune_all(args, spec, host_dir, host, work, out, deadline)
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    (out / "summary.md").write_text(table(rows) + "\n")
+    log(f"box_scale done in {time.time() - t0:.0f} s; rows: {out / 'rows.jsonl'}\n{table(rows)}")
+
+
+# ---------------------------------------------------------------- summary over host sizes
+
+def groups(rows: list[dict]) -> dict[tuple[int, str], dict]:
+    """Per (host params, kind): the runs at the kind's chosen rate (the seeds), their tokens-alone evaluations,
+    and the host alone. A row without a seed of its own stands for several (`seeds`, `*_std`: older tables)."""
+    best = {(r["host_params"], r["kind"]): r["lr"] for r in rows if r["eval"] == "best lr"}
+    out: dict[tuple[int, str], dict] = {}
+    for r in rows:
+        key = (r["host_params"], r["kind"])
+        if r["eval"] == "best lr" or (key in best and r["lr"] != best[key] and r["eval"] != "host alone"):
+            continue
+        out.setdefault(key, {"as trained": [], "tokens alone": [], "host alone": []})[r["eval"]].append(r)
+    return out
+
+
+def mean_std(runs: list[dict], field: str) -> tuple[float, float, int] | None:
+    """Mean, standard deviation and number of seeds of `field` (%; "a.b" reads a nested one) over `runs`."""
+    def get(r, f=field):
+        for part in f.split("."):
+            r = r[part]
+        return r
+    if not runs:
         return None
-    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+    if len(runs) == 1 and runs[0].get("seeds"):  # an older table's row: its own mean and spread
+        return get(runs[0]), runs[0]["std"].get(field, 0.0), runs[0]["seeds"]
+    xs = [get(r) for r in runs]
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0, len(xs)
 
 
-def stage_summarize(args, out: Path, log) -> dict:
-    """Merge the finetune files: per kind mean ± standard deviation over seeds, the host alone, one plot."""
-    files = sorted(f for d in args.results for f in (Path(d).glob("finetune-*.json") if Path(d).is_dir()
-                                                      else [Path(d)]))
-    if not files:
-        raise Refused(f"no finetune-*.json results in {', '.join(args.results)}")
-    loaded = [json.loads(f.read_text()) for f in files]
-    hosts = {r["host"]["fingerprint"] for r in loaded}
-    if len(hosts) > 1:
-        raise Refused(f"the results come from {len(hosts)} different hosts ({', '.join(sorted(hosts))}); "
-                      "summarize the calls of one host")
-    runs = [run for r in loaded for run in r["runs"]]
-    host_alone = next((run["host_alone"] for run in runs if run["host_alone"]), None)
-    variant = lambda run: (run["kind"], json.dumps(run.get("set") or {}, sort_keys=True))  # noqa: E731
-    order = lambda v: ("+" in v[0], KINDS.index(v[0].split("+")[0]), v[1] != "{}", v[1])  # noqa: E731
-    variants = sorted({variant(run) for run in runs}, key=order)
+def table(rows: list[dict]) -> str:
+    """Markdown: per host size and kind, IID / OOD exact match (mean ± std over seeds), the rate, tokens alone;
+    then pdssm's OOD gap to the better baseline."""
+    g = groups(rows)
+    fmt = lambda v: "-" if v is None else f"{v[0]:.1f} ± {v[1]:.1f}"  # noqa: E731
+    lines = ["| host params | inserted | lr | seeds | IID exact | OOD exact | IID whole state | IID / OOD tokens alone |",
+             "|---|---|---|---|---|---|---|---|"]
+    gaps = []
+    for params in sorted({p for p, _ in g}):
+        for kind in ("host", *KINDS):
+            if (params, kind) not in g:
+                continue
+            runs = g[(params, kind)]["host alone" if kind == "host" else "as trained"]
+            alone = g[(params, kind)]["tokens alone"]
+            iid = mean_std(runs, "iid")
+            alone_cell = f"{fmt(mean_std(alone, 'iid'))} / {fmt(mean_std(alone, 'ood'))}" if alone else "-"
+            lines.append(f"| {params / 1e6:.3g} M | {'host alone' if kind == 'host' else kind} | "
+                         f"{'-' if kind == 'host' else format(runs[0]['lr'], 'g')} | {iid[2]} | {fmt(iid)} | "
+                         f"{fmt(mean_std(runs, 'ood'))} | {fmt(mean_std(runs, 'whole_state.iid'))} | {alone_cell} |")
+        if all((params, k) in g for k in KINDS):
+            ours = mean_std(g[(params, "pdssm")]["as trained"], "ood")
+            better = max((mean_std(g[(params, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
+            gaps.append(f"| {params / 1e6:.3g} M | {ours[0] - better[0]:+.1f} | {max(ours[1], better[1]):.1f} |")
+    if gaps:
+        lines += ["", "| host params | pdssm OOD - the better baseline's | larger spread (std) |", "|---|---|---|",
+                  *gaps]
+    return "\n".join(lines)
 
-    def label(kind, changed):   # "+ 4 pdssm", "+ 1 pdssm {...}", "+ pdssm+mamba2+pdssm+mamba2"
-        n = json.loads(changed).get("n", loaded[0]["recipe"]["n"])
-        return (f"+ {kind}" if "+" in kind else f"+ {n} {kind}") + ("" if changed == "{}" else f" {changed}")
-    groups = ([("host alone", [host_alone])] if host_alone else []) + [
-        (label(kind, changed), [run["test"] for run in runs if variant(run) == (kind, changed)])
-        for kind, changed in variants]
-    max_ops = max(int(k) for k in runs[0]["test"]["by_num_ops"])
-    rows, curves = [], []
-    for label, tests in groups:
-        row = {"label": label, "seeds": len(tests)}
-        for split in ("iid", "ood"):
-            for metric in ("accuracy", "state_accuracy"):
-                row[f"{split}_{metric}"] = _mean_std([t[split][metric] for t in tests])
-        by = {str(n): {"accuracy": statistics.fmean(t["by_num_ops"][str(n)]["accuracy"] for t in tests)}
-              for n in range(max_ops + 1)}
-        rows.append(row)
-        curves.append({"label": f"{label} (mean of {len(tests)})" if len(tests) > 1 else label,
-                       "test": {"by_num_ops": by, "train_max_ops": 6}})
-    pm = lambda v: "-" if v is None else f"{v[0]:.1f} ± {v[1]:.1f}"  # noqa: E731
-    lines = ["| run | seeds | IID exact | OOD exact | IID whole state | OOD whole state |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['seeds']} | {pm(r['iid_accuracy'])} | {pm(r['ood_accuracy'])} | "
-              f"{pm(r['iid_state_accuracy'])} | {pm(r['ood_state_accuracy'])} |" for r in rows]
-    ns = range(max_ops + 1)
-    lines += ["", "| run | " + " | ".join(map(str, ns)) + " |", "|---" * (len(ns) + 1) + "|"]
-    lines += [f"| {c['label']} | " + " | ".join(f"{100 * c['test']['by_num_ops'][str(n)]['accuracy']:.0f}"
-                                                 for n in ns) + " |" for c in curves]
-    spec = loaded[0]["host"]["spec"]
-    title = (f"Box test (%), mean ± standard deviation over seeds; host {spec['hidden']} {spec['pattern']} "
-             f"(step {loaded[0]['host']['step']}), {loaded[0]['recipe']['name']} recipe, "
-             f"{loaded[0]['recipe']['steps']} steps x {loaded[0]['recipe']['batch']}")
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """OOD exact match against host parameters per kind (mean, bars: std over seeds), and pdssm's gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = groups(rows)
+    sizes = sorted({p for p, _ in g})
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in KINDS:
+        pts = [(p, mean_std(g[(p, kind)]["as trained"], "ood")) for p in sizes if (p, kind) in g]
+        ax.errorbar([p for p, _ in pts], [v[0] for _, v in pts], yerr=[v[1] for _, v in pts], marker="o",
+                    capsize=3, label=f"+ 4 {kind}")
+    ax.set(xscale="log", xlabel="host parameters", ylabel="Box OOD exact match (%)", title="Box OOD (7-26 ops)")
+    ax.legend()
+    gap = [(p, mean_std(g[(p, "pdssm")]["as trained"], "ood")[0]
+            - max(mean_std(g[(p, k)]["as trained"], "ood")[0] for k in BASELINES))
+           for p in sizes if all((p, k) in g for k in KINDS)]
+    gap_ax.plot([p for p, _ in gap], [v for _, v in gap], marker="o", color="black")
+    gap_ax.axhline(0, color="grey", lw=0.8)
+    gap_ax.set(xscale="log", xlabel="host parameters", ylabel="points", title="pdssm OOD - better baseline's")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def stage_summarize(args) -> None:
+    rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise SystemExit(f"box_scale: error: no rows in {', '.join(args.rows)}")
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(title + "\n\n" + "\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps({"rows": rows, "curves": curves,
-                                                  "files": [f.name for f in files]}, indent=1))
-    log(title + "\n\n" + "\n".join(lines))
-    try:
-        from llm_surgery.train.plot import plot_accuracy
-
-        log(f"plot: {plot_accuracy(curves, out / 'accuracy.png', title='Box, host ' + spec['pattern'])}")
-    except ImportError as e:  # matplotlib is optional
-        log(f"no plot ({e})")
-    return {"rows": rows, "curves": curves}
+    (out / "box_scale.md").write_text(table(rows) + "\n")
+    print(table(rows))
+    print(f"plot: {plot(rows, out / 'box_scale.png')}")
 
 
 # ---------------------------------------------------------------- command line
 
-def parse_args(argv=None) -> argparse.Namespace:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=("pretrain", "finetune", "summarize"))
-    ap.add_argument("results", nargs="*", help="summarize: finetune-*.json files or folders holding them")
+    ap.add_argument("stage", choices=("run", "summarize", "finetune-one", "ablate"))
+    ap.add_argument("paths", nargs="*", help="summarize: rows files; finetune-one / ablate: the run's folder")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="124m")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="run: the kinds, separated by commas")
     ap.add_argument("--out", default=os.environ.get("OUT") or "runs/box_scale")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="27m")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--work", default="runs/box_scale_work", help="finetune: the trainer runs' own outputs")
-    ap.add_argument("--resume", help="pretrain: continue this host checkpoint")
-    ap.add_argument("--stop-at", type=int, default=0, help="pretrain: stop after this step (0: time/steps)")
-    ap.add_argument("--host", help="finetune: the pretrained host checkpoint")
-    ap.add_argument("--kinds", default=",".join(KINDS),
-                    help="the kinds to fine-tune, one run each, separated by commas; a mixed insertion joins n kinds "
-                         "with '+' (pdssm+mamba2+pdssm+mamba2)")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--set", default="{}", help="finetune: JSON dict of trainer settings over the recipe's, e.g. "
-                    "'{\"lr\": 0.003}' (recorded per run; summarize lists each variant apart)")
-    ap.add_argument("--tag", default="", help="finetune: appended to the results file's name")
-    for k, v in SCALES["27m"].items():  # every preset value can be overridden
-        ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None)
+    ap.add_argument("--host", help="run: fine-tune this host of an earlier run (<out>/work/host) instead")
     args = ap.parse_args(argv)
-    for k, v in SCALES[args.scale].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]   # a run's kinds: one, or a mixed 'a+b+..'
-    unknown = sorted({k for run in args.kinds for k in run.split("+")} - set(KINDS))
-    if unknown:
-        ap.error(f"unknown kinds {unknown}; choose from {KINDS} (a mixed insertion joins n of them with '+')")
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        ap.error(f"--seeds must be integers separated by commas, got {args.seeds!r}")
-    try:
-        args.set = json.loads(args.set)
-        assert isinstance(args.set, dict)
-    except (ValueError, AssertionError):
-        ap.error(f"--set must be a JSON object of trainer settings, got {args.set!r}")
-    from llm_surgery.train import TrainConfig
-
-    unknown = sorted(set(args.set) - set(TrainConfig.__dataclass_fields__))
-    if unknown:
-        ap.error(f"--set names no trainer setting: {', '.join(unknown)}")
-    if args.stage == "finetune" and not args.host:
-        ap.error("finetune needs --host (a checkpoint written by the pretrain stage)")
-    if args.stage == "summarize" and not args.results:
-        ap.error("summarize needs the finetune results (files or folders)")
-    if args.hidden % args.heads or args.heads % args.kv_heads:
-        ap.error(f"--hidden {args.hidden} must divide into --heads {args.heads}, and those into --kv-heads "
-                 f"{args.kv_heads}")
-    return args
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = Log(out / f"{args.stage}.log")
-    log(f"box_scale {args.stage} on {args.device}, torch {torch.__version__}; --scale {args.scale}")
-    stage = {"pretrain": stage_pretrain, "finetune": stage_finetune, "summarize": stage_summarize}[args.stage]
-    return stage(args, out, log)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if set(args.kinds) - set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {', '.join(args.kinds)}")
+    if args.stage in ("finetune-one", "ablate", "summarize") and not args.paths:
+        ap.error(f"{args.stage} needs {'rows files' if args.stage == 'summarize' else 'a run folder'}")
+    if args.stage == "run":
+        torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
+        stage_run(args)
+    elif args.stage == "summarize":
+        args.rows = args.paths
+        stage_summarize(args)
+    elif args.stage == "finetune-one":
+        finetune_one(Path(args.paths[0]))
+    else:
+        ablate(Path(args.paths[0]))
 
 
 if __name__ == "__main__":

@@ -309,25 +309,23 @@ def pretrain_host(cfg, log=logger.info) -> Path:
 
 
 def pretrain(model, tokenizer, records, *, steps: int, batch_size: int, lr: float, seed: int = 0,
-             all_tokens: bool = False, device: torch.device | str = "cpu", start: int = 0, **loop) -> float:
+             all_tokens: bool = False, device: torch.device | str = "cpu", **loop) -> float:
     """Train every weight of `model` on Box `records` (`train_all_weights`); returns the last loss. `all_tokens`
     puts the loss on every real token (the context too, where naming the box of a moved object is itself a
-    state-tracking target) instead of on the completion only. `start` continues a run after that many steps: the
-    data order goes on where it stopped (same seed) and so does the schedule."""
-    return train_all_weights(model, task_batches(tokenizer, records, batch_size, seed, start, all_tokens),
-                             steps=steps, lr=lr, device=device, start=start, **loop)
+    state-tracking target) instead of on the completion only."""
+    return train_all_weights(model, task_batches(tokenizer, records, batch_size, seed, all_tokens),
+                             steps=steps, lr=lr, device=device, **loop)
 
 
-def task_batches(tokenizer, records, batch_size: int, seed: int, start: int = 0, all_tokens: bool = False):
-    """Batches of Box `records` in the trainer's data order from step `start` on, labels on the completion (on
-    every real token with `all_tokens`)."""
+def task_batches(tokenizer, records, batch_size: int, seed: int, all_tokens: bool = False):
+    """Batches of Box `records` in the trainer's data order, labels on the completion (on every real token with
+    `all_tokens`)."""
     from llm_surgery.box_data import BoxCollator
 
     from .data import ShardedBatchSampler, TokenizedBox
 
     data = TokenizedBox(tokenizer, records)
     sampler = ShardedBatchSampler(len(data), batch_size, 0, 1, seed)
-    sampler.set_position(start)
     for batch in torch.utils.data.DataLoader(data, batch_sampler=sampler,
                                              collate_fn=BoxCollator(tokenizer, pad_to_multiple_of=8)):
         if all_tokens:
@@ -338,30 +336,24 @@ def task_batches(tokenizer, records, batch_size: int, seed: int, start: int = 0,
 def train_all_weights(model, batches, *, steps: int, lr: float, warmup_ratio: float = 0.1, min_lr_ratio: float = 0.0,
                       device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None,
                       log=logger.info, log_every: int = 50, on_eval=None, eval_every: int = 0,
-                      max_seconds: float | None = None, stop_at: int = 0, start: int = 0,
-                      rewarm_steps: int = 0) -> float:
+                      max_seconds: float | None = None, stop_at: int = 0) -> float:
     """The host pretraining loop (the embedded host's, the shipped host's in `make_host`, the benchmark's): every
     weight trains on `batches` (dicts with labels) with AdamW (weight decay 0.1), clipping at 1.0 and a linear
     warm-up then cosine to `min_lr_ratio` x lr over `steps`; returns the last logged loss. It ends early after
     `stop_at` steps or past `max_seconds` (a wall-clock budget; the schedule is not stretched to fit).
-    `on_eval(step, loss)` is called every `eval_every` steps and at the end, with the model in eval mode.
-
-    `start` continues a run whose first `start` steps are done (the caller loaded the weights): the schedule goes
-    on at step `start + 1`, but the optimizer's moments start from zero, so its learning rate is ramped back
-    linearly over `rewarm_steps` steps (a resume across device calls carries the weights only: `bench/box_scale.py`)."""
+    `on_eval(step, loss)` is called every `eval_every` steps and at the end, with the model in eval mode."""
     from .schedule import build_scheduler
 
-    if not 0 <= start < steps:
-        raise ValueError(f"start must be in [0, {steps}), got {start}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     device = torch.device(device)
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=device.type == "cuda")
     lr_factor = build_scheduler(opt, steps, warmup_ratio, "cosine", min_lr_ratio).lr_lambdas[0]
     t0, loss = time.time(), float("nan")
-    for done in range(start + 1, steps + 1):
-        ramp = min(1.0, (done - start) / rewarm_steps) if start and rewarm_steps else 1.0
+    for done in range(1, steps + 1):
         for group in opt.param_groups:
-            group["lr"] = lr * lr_factor(done - 1) * ramp
+            group["lr"] = lr * lr_factor(done - 1)
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = model(**batch, use_cache=False)

@@ -98,7 +98,7 @@ def restatement_accuracy(model, tokenizer, docs: list[str], batch_size: int = 64
     hit = total = 0
     for i in range(0, len(docs), batch_size):
         seqs = encode_docs(tokenizer, docs[i:i + batch_size])
-        b = _batch(seqs)
+        b = {k: v.to(model.device) for k, v in _batch(seqs).items()}
         pred = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits.argmax(-1)
         for row, s in enumerate(seqs):
             half = s.index(tokenizer.convert_tokens_to_ids(".")) + 1  # end of the description
@@ -119,21 +119,29 @@ def build(seed: int = 0, **overrides):
     return model, tokenizer
 
 
-def shuffled_batches(data: list[list[int]], batch_size: int, seed: int):
+def shuffled_batches(data: list[list[int]], batch_size: int, seed: int, buckets: int = 1):
     """Endless batches of `batch_size` sequences: one random permutation after another, a batch running on into
-    the next permutation where one ends (the shipped host's data order)."""
+    the next permutation where one ends (the shipped host's data order). With `buckets` > 1, each run of
+    `buckets` batches is cut from that many batches' sequences sorted by length and comes in a random order: less
+    padding (the documents' lengths vary 2x), the same sequences."""
     g, order = random.Random(seed), []
     while True:
-        if len(order) < batch_size:
+        take = batch_size * buckets
+        while len(order) < take:
             order += g.sample(range(len(data)), len(data))
-        idx, order = order[:batch_size], order[batch_size:]
-        yield _batch([data[i] for i in idx])
+        idx, order = order[:take], order[take:]
+        if buckets > 1:
+            idx.sort(key=lambda i: len(data[i]))
+        cuts = [idx[k:k + batch_size] for k in range(0, take, batch_size)]
+        for k in (g.sample(range(buckets), buckets) if buckets > 1 else [0]):
+            yield _batch([data[i] for i in cuts[k]])
 
 
 def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: float, max_seconds: float,
-                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0) -> list[dict]:
+                  steps: int, seed: int, log=None, eval_every: int = 200, stop_at: int = 0, buckets: int = 1,
+                  device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None) -> list[dict]:
     """The host pretraining loop on documents (5% warm-up then cosine to 0.1x over `steps`), stopping at
-    `max_seconds`; returns the curve of loss and restatement accuracy."""
+    `max_seconds`; returns the curve of loss and restatement accuracy. `buckets`: `shuffled_batches`'."""
     from .host import train_all_weights
 
     log = log or logger.info
@@ -145,9 +153,10 @@ def pretrain_docs(model, tokenizer, docs, eval_docs, *, batch_size: int, lr: flo
                       "restatement_accuracy": round(acc, 4)})
         log(f"  step {step}: restated objects right {100 * acc:.1f}%")
 
-    train_all_weights(model, shuffled_batches(encode_docs(tokenizer, docs), batch_size, seed), steps=steps, lr=lr,
-                      warmup_ratio=0.05, min_lr_ratio=0.1, log=log, log_every=eval_every, on_eval=on_eval,
-                      eval_every=eval_every, max_seconds=max_seconds, stop_at=stop_at)
+    train_all_weights(model, shuffled_batches(encode_docs(tokenizer, docs), batch_size, seed, buckets), steps=steps,
+                      lr=lr, warmup_ratio=0.05, min_lr_ratio=0.1, log=log, log_every=eval_every, on_eval=on_eval,
+                      eval_every=eval_every, max_seconds=max_seconds, stop_at=stop_at, device=device,
+                      autocast_dtype=autocast_dtype)
     return curve
 
 
