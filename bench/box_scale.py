@@ -1,7 +1,7 @@
 """Box at scale in one device lease: how Flash PD-SSM's gap to Mamba2 and DeltaNet moves with the host's size.
 
 `run` pretrains a Granite-4.0-H hybrid host (GraniteMoeHybridForCausalLM from a config: Mamba2 and NoPE attention
-layers 9 : 1 with attention at layers 5, 15, 25, 35 as in granite-4.0-h-micro; 124 M parameters at `--scale 124m`)
+layers 9 : 1 with attention at layers 5, 15, 25, 35 as in granite-4.0-h-micro; 128 M parameters at `--scale 128m`)
 on the Box *language* (descriptions with operations, restatements; never a query or an answer) for a wall-clock
 budget, then fine-tunes 4 inserted layers of each kind on the frozen host with the granite350m recipe: a
 learning-rate sweep at seed 0, then seeds 1.. at each kind's best rate by *validation* exact match, trainer
@@ -12,7 +12,7 @@ finishes. `summarize` merges the rows of several host sizes into a table and a p
     setsid python bench/box_scale.py run --out /tmp/box_scale > /tmp/box_scale.out 2>&1 &   # the device, polled
     python bench/box_scale.py run --scale tiny --out /tmp/box_tiny             # the whole flow on the CPU, tiny
     python bench/box_scale.py run --scale shipped --out /tmp/box_shipped       # the shipped host (CPU main job)
-    python bench/box_scale.py summarize docs/bench/data/box_scale_*.jsonl --out docs/bench
+    python bench/box_scale.py summarize docs/bench/data/box_scale_*.jsonl --out docs/bench/data/box_scale.png
 
 `--scale shipped` skips pretraining: it fine-tunes the shipped 162k host with the CPU main job's settings, the same
 sweep, seeds and ablation, so the smallest size's rows come from the same flow.
@@ -36,16 +36,20 @@ KINDS = ("pdssm", "mamba2", "deltanet")
 BASELINES = ("mamba2", "deltanet")
 RECIPE = "granite350m"  # the paper's recipe of the nearest Granite 4.0 size (llm_surgery.train.paper)
 
-#: Each kind's learning-rate grid, around the best rates of the earlier sizes (docs/bench/box.md).
-LR_GRID = {"pdssm": (1e-4, 3e-4, 1e-3), "mamba2": (3e-4, 1e-3, 3e-3), "deltanet": (3e-4, 1e-3, 3e-3)}
+#: Each kind's learning-rate grid around the best rates of the earlier sizes (docs/bench/box.md), the likeliest first.
+LR_GRID = {"pdssm": (3e-4, 1e-3, 1e-4), "mamba2": (1e-3, 3e-4, 3e-3), "deltanet": (1e-3, 3e-4, 3e-3)}
 
 SCALES = {
-    # 124 M parameters: width 512, 40 layers "MMMMM*MMMM" x 4; Mamba2 as granite-4.0-h-micro's (heads x 64 =
-    # 2 x width, state 128, one group), shared MLP 2 x width. ~13 minutes of pretraining on one H200.
-    "124m": dict(hidden=512, pattern="MMMMM*MMMM" * 4, heads=8, kv_heads=2, mamba_head=64, mamba_state=128,
-                 mlp=1024, host_sequences=100_000, host_batch=256, host_lr=5e-4, host_minutes=13.0, minutes=24.0,
-                 finetune_minutes=9.5, parallel=9, recipe=RECIPE, steps=600, batch=64, sequences=1000,
-                 max_eval_examples=4000, eval_batch=256, test_max_ops=26, seeds=3),
+    # 127.6 M parameters: width 512, 40 layers "MMMMM*MMMM" x 4; Mamba2 as granite-4.0-h-micro's (heads x 64 =
+    # 2 x width, state 128, one group), shared MLP 2 x width. On one H200 (2026-11-29): 0.42 s a pretraining step of
+    # 256 documents, every held-out restatement right after 870 steps (6 minutes); fine-tuning runs of 600 x 64 took
+    # ~90 s of the GPU each (6 side by side: 610-650 s; 9 side by side ran out of memory, ~15 GiB each), so the
+    # runs here take the same 38,400 examples in 150 steps of 256, two side by side, without CUDA graphs (a step of
+    # ~28k tokens keeps the GPU busy without them, and their pools would take ~4 x 15 GiB a run).
+    "128m": dict(hidden=512, pattern="MMMMM*MMMM" * 4, heads=8, kv_heads=2, mamba_head=64, mamba_state=128,
+                 mlp=1024, host_sequences=100_000, host_batch=256, host_lr=5e-4, host_minutes=7.0, minutes=24.0,
+                 finetune_minutes=15.0, parallel=2, recipe=RECIPE, steps=150, batch=256, cuda_graphs=False,
+                 sequences=1000, max_eval_examples=4000, eval_batch=256, test_max_ops=26, seeds=3),
     # The shipped host and the CPU main job's settings (llm_surgery.train's defaults), two runs side by side.
     "shipped": dict(host="shipped", minutes=0.0, finetune_minutes=0.0, parallel=2, recipe=None, steps=600, batch=8,
                     sequences=200, max_eval_examples=1134, eval_batch=32, test_max_ops=26, seeds=3),
@@ -94,12 +98,12 @@ def documents(sequences: int, workers: int) -> tuple[list[str], list[str]]:
     return [d for docs, _ in parts for d in docs], parts[0][1]
 
 
-def seconds_per_step(model, batches, device, amp, steps: int = 6) -> float:
-    """A pretraining step's time (forward and backward, no update: the weights stay as they are), after two steps
-    that compile and tune the kernels."""
+def seconds_per_step(model, batches, device, amp, steps: int = 8) -> float:
+    """A pretraining step's time (forward and backward, no update: the weights stay as they are), after four steps
+    that compile and tune the kernels (after two, the H200 still took 0.60 s a step against 0.42 s in the run)."""
     model.to(device).train()
-    for k in range(2 + steps):
-        if k == 2:
+    for k in range(4 + steps):
+        if k == 4:
             torch.cuda.synchronize() if device.type == "cuda" else None
             t0 = time.time()
         batch = {key: v.to(device) for key, v in next(batches).items()}
@@ -132,17 +136,17 @@ def pretrain_host(args, spec: dict, work: Path, deadline: float) -> dict:
     tok.save_pretrained(work / "host_init")
     smoke(args, spec, work)
     if "host_steps" in spec:
-        steps, step_s = spec["host_steps"], None
+        steps, step_s, budget = spec["host_steps"], None, None
     else:
         buckets = shuffled_batches(encode_docs(tok, docs[:20 * spec["host_batch"]]), spec["host_batch"], 99, 8)
         step_s = seconds_per_step(model, buckets, device, amp)
         budget = min(60 * spec["host_minutes"], deadline - time.time() - 60 * spec["finetune_minutes"])
-        steps = int(budget / (step_s * 1.03))  # the update and the evaluations: ~3% more (measured)
+        steps = int(budget / (step_s * 1.03))  # a little for the updates and the evaluations
         log(f"pretraining: {step_s:.3f} s a step -> {steps} steps in {budget:.0f} s")
     t1 = time.time()
     curve = pretrain_docs(model, tok, docs, held_out[:200], batch_size=spec["host_batch"], lr=spec["host_lr"],
-                          max_seconds=float("inf"), steps=steps, seed=0, log=log, eval_every=max(1, steps // 8),
-                          buckets=8, device=device, autocast_dtype=amp)
+                          max_seconds=1.2 * budget if step_s else float("inf"), steps=steps, seed=0, log=log,
+                          eval_every=max(1, steps // 8), buckets=8, device=device, autocast_dtype=amp)
     seconds = time.time() - t1
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         restated = restatement_accuracy(model, tok, held_out)
@@ -178,8 +182,7 @@ def versions() -> dict:
 
 # ---------------------------------------------------------------- the fine-tuning runs
 
-def trainer_settings(args, spec: dict, host_dir: str | None, kind: str, lr: float, seed: int, out: Path,
-                     eval_host: bool) -> dict:
+def trainer_settings(args, spec: dict, host_dir: str | None, kind: str, lr: float, seed: int, out: Path) -> dict:
     """A fine-tuning run's TrainConfig fields: the recipe (none: the trainer's defaults, the CPU main job's), the
     scale's steps, batch and evaluation sets."""
     from llm_surgery.train.paper import recipe_defaults
@@ -189,17 +192,20 @@ def trainer_settings(args, spec: dict, host_dir: str | None, kind: str, lr: floa
     return {**recipe, "model": host_dir, "kind": kind, "lr": lr, "seed": seed, "max_steps": spec["steps"],
             "batch_size": spec["batch"], "num_sequences": spec["sequences"], "test_max_ops": spec["test_max_ops"],
             "max_eval_examples": spec["max_eval_examples"], "eval_batch_size": spec["eval_batch"],
-            "eval_host": eval_host, "cpu": args.device == "cpu", "host_dtype": "float32", "quick_autotune": True,
-            "progress": False, "tensorboard": False, "plot": False, "overwrite": True,
+            "cuda_graphs": spec.get("cuda_graphs", True), "eval_host": False, "cpu": args.device == "cpu",
+            "host_dtype": "float32", "quick_autotune": True, "progress": False, "tensorboard": False, "plot": False,
+            "overwrite": True,
             "log_every": max(1, spec["steps"] // 10), "output_dir": str(out)}
 
 
 class Job:
-    """One child process: `finetune-one` (a trainer run) or `ablate` (a finished run, tokens alone)."""
+    """One child process: `finetune-one` (a trainer run) or `ablate` (a finished run evaluated again: tokens alone,
+    and with `host_alone` the host without the layers)."""
 
-    def __init__(self, what: str, kind: str, lr: float, seed: int, run_dir: Path, stage: str, settings=None):
+    def __init__(self, what: str, kind: str, lr: float, seed: int, run_dir: Path, stage: str, settings=None,
+                 host_alone: bool = False):
         self.what, self.kind, self.lr, self.seed, self.dir, self.stage = what, kind, lr, seed, run_dir, stage
-        self.settings, self.proc, self.t0 = settings, None, None
+        self.settings, self.host_alone, self.proc, self.t0 = settings, host_alone, None, None
 
     @property
     def name(self) -> str:
@@ -213,7 +219,8 @@ class Job:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        cmd = [sys.executable, __file__, self.what, str(self.dir), "--device", args.device]
+        cmd = [sys.executable, __file__, self.what, str(self.dir), "--device", args.device,
+               *(["--host-alone"] if self.host_alone else [])]
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.dir / f"{self.what}.log", "w"),
                                      stderr=subprocess.STDOUT)
@@ -224,8 +231,8 @@ def smoke(args, spec: dict, work: Path) -> None:
     that cannot start fails in a minute, not after the pretraining (and the kernels are compiled once, here)."""
     small = {**spec, "steps": 4, "max_eval_examples": 70}
     jobs = [Job("finetune-one", k, LR_GRID[k][0], 0, work / f"smoke-{k}", "smoke",
-                trainer_settings(args, small, str(work / "host_init"), k, LR_GRID[k][0], 0, work / f"smoke-{k}",
-                                 False)) for k in args.kinds]
+                trainer_settings(args, small, str(work / "host_init"), k, LR_GRID[k][0], 0, work / f"smoke-{k}"))
+            for k in args.kinds]
     for k, job in enumerate(jobs):
         job.start(args, k % torch.cuda.device_count() if args.device == "cuda" else None)
     failed = [job for job in jobs if job.proc.wait() != 0]
@@ -243,13 +250,17 @@ def finetune_one(run_dir: Path) -> None:
     train(TrainConfig(**json.loads((run_dir / "settings.json").read_text())))
 
 
-def ablate(run_dir: Path) -> None:
-    """A child: the finished run's test split again with every inserted mixer seeing each token alone."""
-    from llm_surgery.insert.ablation import tokens_alone
+def ablate(run_dir: Path, with_host_alone: bool) -> None:
+    """A child: the finished run's test split again with every inserted mixer seeing each token alone (and, asked,
+    with the layers adding nothing: the host alone) -> <run_dir>/ablation.json."""
+    from llm_surgery.insert.ablation import host_alone, tokens_alone
     from llm_surgery.train.evaluate import evaluate_run
     from llm_surgery.train.outputs import write_json
 
-    write_json(run_dir / "tokens_alone.json", evaluate_run(run_dir, within=tokens_alone))
+    out = {"tokens alone": evaluate_run(run_dir, within=tokens_alone)}
+    if with_host_alone:
+        out["host alone"] = evaluate_run(run_dir, within=host_alone)
+    write_json(run_dir / "ablation.json", out)
 
 
 def pct(x):
@@ -265,88 +276,107 @@ def row(test: dict, **fields) -> dict:
 
 
 def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path, out: Path, deadline: float) -> None:
-    """The sweep, the seeds at each kind's best rate and the ablations, `parallel` children at a time; a row per
-    finished evaluation. A job is not started when the time its kind's runs took so far would pass the deadline."""
+    """The sweep, the seeds at each kind's best rate and the evaluations, `parallel` children at a time; a row per
+    finished evaluation. Runs on one GPU share it by time slices (no faster together than one after another), so
+    the children that run side by side only hide each other's start-up. The seeds come first: a sweep point is
+    dropped when the runs still owed (at the pace of those finished) would pass the deadline."""
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     base = {"host_params": host["params"], "host": args.scale, "recipe": spec["recipe"], "steps": spec["steps"],
             "batch": spec["batch"], "device": host["device"], "versions": host["versions"],
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    rows_file = out / "rows.jsonl"
 
     def write(r: dict) -> None:
-        with open(rows_file, "a") as f:
+        with open(out / "rows.jsonl", "a") as f:
             f.write(json.dumps({**base, **r}) + "\n")
 
     def finetune(kind, lr, seed, stage):
         d = work / f"{kind}-lr{lr:g}-s{seed}"
-        eval_host = stage == "sweep" and kind == args.kinds[0] and lr == LR_GRID[kind][0]  # the host alone: once
-        return Job("finetune-one", kind, lr, seed, d, stage,
-                   trainer_settings(args, spec, host_dir, kind, lr, seed, d, eval_host))
+        return Job("finetune-one", kind, lr, seed, d, stage, trainer_settings(args, spec, host_dir, kind, lr, seed, d))
 
-    def chosen(kind, lr, validation) -> list[Job]:
-        """Once a kind's sweep is done (a failed run counts as done, unchosen): the seeds at its best rate by
-        validation exact match (ties: the lower rate) and the ablation of the sweep's run at that rate."""
-        sweep[kind][lr] = validation
+    sweep: dict[str, dict[float, float | None]] = {k: {} for k in args.kinds}  # lr -> validation (None: failed)
+
+    def chosen(kind) -> list[Job]:
+        """Once every point of a kind's sweep is in (run, failed or dropped): the seeds at its best rate by
+        validation exact match (ties: the earlier point) and the evaluations of the sweep's run at that rate."""
         if len(sweep[kind]) < len(LR_GRID[kind]) or all(v is None for v in sweep[kind].values()):
             return []
         best = max((r for r in LR_GRID[kind] if sweep[kind][r] is not None), key=lambda r: sweep[kind][r])
-        write({"kind": kind, "eval": "best lr", "lr": best, "sweep": {str(k): v for k, v in sweep[kind].items()}})
+        write({"kind": kind, "eval": "best lr", "lr": best, "sweep": {f"{k:g}": v for k, v in sweep[kind].items()}})
         log(f"{kind}: best lr {best:g} by validation exact match {sweep[kind]}")
+        first = not any(j.what == "ablate" for j in [*pending, *running, *finished])
         return [*(finetune(kind, best, s, "seeds") for s in range(1, spec["seeds"])),
-                Job("ablate", kind, best, 0, work / f"{kind}-lr{best:g}-s0", "seeds")]
+                Job("ablate", kind, best, 0, work / f"{kind}-lr{best:g}-s0", "seeds", host_alone=first)]
 
-    pending = [finetune(k, lr, 0, "sweep") for k in args.kinds for lr in LR_GRID[k]]
+    # each kind's first grid point (the rate the earlier sizes favour), then the other points kind by kind
+    pending = [finetune(k, lr, 0, "sweep") for i in range(max(map(len, LR_GRID.values())))
+               for k in args.kinds if i < len(LR_GRID[k]) for lr in [LR_GRID[k][i]]]
     running: list[Job] = []
-    sweep: dict[str, dict[float, dict]] = {k: {} for k in args.kinds}
-    took: list[float] = []
-    started = 0
+    finished: list[Job] = []
+    order = {"ablate": 0, "seeds": 1, "sweep": 2}
+    t_start = time.time()
     while pending or running:
         for job in [j for j in running if j.proc.poll() is not None]:
             running.remove(job)
-            seconds = time.time() - job.t0
-            tail = (job.dir / f"{job.what}.log").read_text()[-2000:]
-            if job.proc.returncode != 0:
-                log(f"FAILED {job.name} (exit {job.proc.returncode}) after {seconds:.0f} s:\n{tail}")
-                if job.stage == "sweep":
-                    pending += chosen(job.kind, job.lr, None)
-                continue
-            meta = {"kind": job.kind, "seed": job.seed, "lr": job.lr, "stage": job.stage, "seconds": round(seconds)}
-            if job.what == "ablate":
-                write(row(json.loads((job.dir / "tokens_alone.json").read_text()), eval="tokens alone", **meta))
-                log(f"done {job.name} ({seconds:.0f} s)")
-                continue
-            took.append(seconds)
-            res = json.loads((job.dir / "results.json").read_text())
-            if res.get("host_alone"):
-                write(row(res["host_alone"], eval="host alone", **{**meta, "kind": "host"}))
-            validation = pct(res["validation"]["accuracy"])
-            write(row(res["test"], eval="as trained", validation=validation, params=res["params"]["trainable"],
-                      **meta))
-            log(f"done {job.name} ({seconds:.0f} s): validation {validation}, test IID "
-                f"{pct(res['test']['iid']['accuracy'])} / OOD {pct(res['test']['ood']['accuracy'])}")
-            if job.stage == "sweep":
-                pending += chosen(job.kind, job.lr, validation)
-            else:
-                pending.append(Job("ablate", job.kind, job.lr, job.seed, job.dir, "seeds"))
-        while pending and len(running) < spec["parallel"]:
+            finished.append(job)
+            pending += collect(job, write, sweep, chosen)
+        while pending and len(running) < spec["parallel"] * max(1, gpus):
+            pending.sort(key=lambda j: order[j.what if j.what == "ablate" else j.stage])
             job = pending.pop(0)
-            need = max(took) if took and job.what == "finetune-one" else 0
-            if args.deadline and time.time() + need > deadline:
-                log(f"not started (the deadline is {deadline - time.time():.0f} s away, a run took {need:.0f} s): "
-                    f"{job.name}")
+            runs_done = sum(j.what == "finetune-one" for j in finished)
+            owed = sum(spec["seeds"] - 1 - sum(j.kind == k and j.stage == "seeds" for j in [*running, *finished])
+                       for k in args.kinds) + sum(j.what == "finetune-one" for j in running) + 1
+            if job.stage == "sweep" and not fits(owed, time.time() - t_start, runs_done, deadline - time.time()):
+                log(f"dropped {job.name}: {owed} runs still owed at the pace so far would pass the deadline "
+                    f"({deadline - time.time():.0f} s away)")
+                sweep[job.kind][job.lr] = None
+                pending += chosen(job.kind)
                 continue
-            job.start(args, started % gpus if gpus else None)
-            started += 1
+            if time.time() > deadline:
+                log(f"not started (past the deadline): {job.name}")
+                continue
+            job.start(args, sum(1 for j in [*running, *finished] if j.proc) % gpus if gpus else None)
             running.append(job)
             log(f"started {job.name}")
         time.sleep(0.5)
 
 
+def fits(owed: int, elapsed: float, runs_done: int, left: float) -> bool:
+    """Whether `owed` more runs end within `left` seconds at the pace of the `runs_done` that took `elapsed` (the
+    GPU's time slices make the pace one of the whole, whatever ran side by side). Before any run ends: yes."""
+    return runs_done == 0 or owed * elapsed / runs_done <= left
+
+
+def collect(job: Job, write, sweep: dict, chosen) -> list[Job]:
+    """A finished child's rows; returns the jobs it makes due (a sweep's seeds, a run's evaluations)."""
+    seconds = time.time() - job.t0
+    meta = {"kind": job.kind, "seed": job.seed, "lr": job.lr, "stage": job.stage, "seconds": round(seconds)}
+    if job.proc.returncode != 0:
+        log(f"FAILED {job.name} (exit {job.proc.returncode}) after {seconds:.0f} s:\n"
+            + (job.dir / f"{job.what}.log").read_text()[-2000:])
+        if job.what == "finetune-one" and job.stage == "sweep":
+            sweep[job.kind][job.lr] = None
+            return chosen(job.kind)
+        return []
+    if job.what == "ablate":
+        for name, test in json.loads((job.dir / "ablation.json").read_text()).items():
+            write(row(test, eval=name, **(meta if name == "tokens alone" else {**meta, "kind": "host"})))
+        log(f"done {job.name} ({seconds:.0f} s)")
+        return []
+    res = json.loads((job.dir / "results.json").read_text())
+    validation = pct(res["validation"]["accuracy"])
+    write(row(res["test"], eval="as trained", validation=validation, params=res["params"]["trainable"], **meta))
+    log(f"done {job.name} ({seconds:.0f} s): validation {validation}, test IID {pct(res['test']['iid']['accuracy'])}"
+        f" / OOD {pct(res['test']['ood']['accuracy'])}")
+    if job.stage == "sweep":
+        sweep[job.kind][job.lr] = validation
+        return chosen(job.kind)
+    return [Job("ablate", job.kind, job.lr, job.seed, job.dir, "seeds")]
+
+
 def stage_run(args) -> None:
-    spec = SCALES[args.scale]
+    spec = {**SCALES[args.scale], **({"minutes": args.minutes} if args.minutes is not None else {})}
     t0 = time.time()
-    deadline = t0 + 60 * spec["minutes"] if spec["minutes"] else float("inf")
-    args.deadline = spec["minutes"] > 0
+    deadline = t0 + 60 * spec["minutes"] if spec["minutes"] else float("inf")  # 0: none
     out, work = Path(args.out), Path(args.out) / "work"
     work.mkdir(parents=True, exist_ok=True)
     (out / "rows.jsonl").write_text("")
@@ -405,8 +435,8 @@ def table(rows: list[dict]) -> str:
     then pdssm's OOD gap to the better baseline."""
     g = groups(rows)
     fmt = lambda v: "-" if v is None else f"{v[0]:.1f} ± {v[1]:.1f}"  # noqa: E731
-    lines = ["| host params | inserted | lr | seeds | IID exact | OOD exact | IID whole state | IID / OOD tokens alone |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| host params | inserted | lr | seeds | IID exact | OOD exact | IID whole state | IID / OOD tokens "
+             "alone |", "|---|---|---|---|---|---|---|---|"]
     gaps = []
     for params in sorted({p for p, _ in g}):
         for kind in ("host", *KINDS):
@@ -422,7 +452,8 @@ def table(rows: list[dict]) -> str:
         if all((params, k) in g for k in KINDS):
             ours = mean_std(g[(params, "pdssm")]["as trained"], "ood")
             better = max((mean_std(g[(params, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
-            gaps.append(f"| {params / 1e6:.3g} M | {ours[0] - better[0]:+.1f} | {max(ours[1], better[1]):.1f} |")
+            spread = f"{max(ours[1], better[1]):.1f}" if min(ours[2], better[2]) > 1 else "- (1 seed)"
+            gaps.append(f"| {params / 1e6:.3g} M | {ours[0] - better[0]:+.1f} | {spread} |")
     if gaps:
         lines += ["", "| host params | pdssm OOD - the better baseline's | larger spread (std) |", "|---|---|---|",
                   *gaps]
@@ -457,45 +488,87 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+#: The rows of the 27 M host's table (`box_scale.py summarize` of the staged calls, code eb3d3ad) that are the runs
+#: at the granite350m recipe's rate (1e-3) with today's defaults (identity dictionaries), and their kinds.
+SUMMARY_LABELS = {"host alone": "host", "+ 4 mamba2": "mamba2", "+ 4 deltanet": "deltanet",
+                  '+ 4 pdssm {"mixer_options": "{\\"dict_init\\": \\"identity\\"}"}': "pdssm"}
+
+
+def rows_from_summary(text: str, host_params: int, lr: float) -> list[dict]:
+    """Rows from an older summary.md (mean ± std over `seeds` per run, then the mean curve per run): one row per
+    kind standing for its seeds (`seeds`, `std`)."""
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| run")]
+    means = {c[0]: c for c in cells if "±" in c[2]}
+    curves = {c[0].rsplit(" (mean of", 1)[0]: c[1:] for c in cells if "±" not in c[2]}
+    split = lambda v: [float(x) for x in v.split("±")]  # noqa: E731
+    rows = []
+    for label, kind in SUMMARY_LABELS.items():
+        c = means[label]
+        (iid, iid_sd), (ood, ood_sd), (whole, whole_sd), (whole_ood, _) = map(split, c[2:6])
+        rows.append({"host_params": host_params, "kind": kind, "eval": "host alone" if kind == "host" else
+                     "as trained", "lr": None if kind == "host" else lr, "seed": None, "seeds": int(c[1]),
+                     "iid": iid, "ood": ood, "whole_state": {"iid": whole, "ood": whole_ood},
+                     "std": {"iid": iid_sd, "ood": ood_sd, "whole_state.iid": whole_sd},
+                     "curve": [float(v) for v in curves[label]]})
+    return rows
+
+
 def stage_summarize(args) -> None:
+    """Print the table of the rows files and draw the plot to --out (a .png path)."""
     rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"box_scale: error: no rows in {', '.join(args.rows)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "box_scale.md").write_text(table(rows) + "\n")
     print(table(rows))
-    print(f"plot: {plot(rows, out / 'box_scale.png')}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"plot: {plot(rows, out)}")
 
 
 # ---------------------------------------------------------------- command line
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=("run", "summarize", "finetune-one", "ablate"))
-    ap.add_argument("paths", nargs="*", help="summarize: rows files; finetune-one / ablate: the run's folder")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="124m")
+    ap.add_argument("stage", choices=("run", "summarize", "import-summary", "finetune-one", "ablate"))
+    ap.add_argument("paths", nargs="*", help="summarize: rows files; import-summary: an older summary.md; "
+                                             "finetune-one / ablate: the run's folder")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="128m")
     ap.add_argument("--kinds", default=",".join(KINDS), help="run: the kinds, separated by commas")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "runs/box_scale")
+    ap.add_argument("--out", help="run: its folder (default $OUT, else runs/box_scale); summarize: the plot (.png); "
+                                  "import-summary: the rows file")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--minutes", type=float, help="run: the whole run's wall-clock budget (default: the scale's)")
     ap.add_argument("--host", help="run: fine-tune this host of an earlier run (<out>/work/host) instead")
+    ap.add_argument("--host-alone", action="store_true", help="ablate: also evaluate the host alone")
+    ap.add_argument("--host-params", type=int, help="import-summary: the host's parameters")
+    ap.add_argument("--lr", type=float, default=1e-3, help="import-summary: the runs' learning rate")
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.kinds = [k for k in args.kinds.split(",") if k]
     if set(args.kinds) - set(KINDS):
         ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {', '.join(args.kinds)}")
-    if args.stage in ("finetune-one", "ablate", "summarize") and not args.paths:
-        ap.error(f"{args.stage} needs {'rows files' if args.stage == 'summarize' else 'a run folder'}")
+    if args.stage != "run" and not args.paths:
+        ap.error(f"{args.stage} needs {'rows files' if args.stage == 'summarize' else 'a path'}")
+    if args.stage == "import-summary" and not args.host_params:
+        ap.error("import-summary needs --host-params")
+    if args.stage in ("summarize", "import-summary") and not args.out:
+        ap.error(f"{args.stage} needs --out (summarize: the plot's .png; import-summary: the rows file)")
+    args.out = args.out or os.environ.get("OUT") or "runs/box_scale"
     if args.stage == "run":
         torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
         stage_run(args)
     elif args.stage == "summarize":
         args.rows = args.paths
         stage_summarize(args)
+    elif args.stage == "import-summary":
+        rows = [{**r, "source": args.paths[0]} for r in
+                rows_from_summary(Path(args.paths[0]).read_text(), args.host_params, args.lr)]
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{len(rows)} rows -> {args.out}")
     elif args.stage == "finetune-one":
         finetune_one(Path(args.paths[0]))
     else:
-        ablate(Path(args.paths[0]))
+        ablate(Path(args.paths[0]), args.host_alone)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""bench/box_scale.py: the Box reproduction staged over device calls. The whole flow at tiny size on the CPU (host
-pretrained in 2 calls, the second resuming the first's checkpoint; 2 kinds x 2 seeds in 2 calls; summarize), the
-27 M preset's checkpoint within the transfer limits, refusals, and the pretraining loop's resume."""
+"""bench/box_scale.py: Box at scale in one device lease. The whole flow at tiny size on the CPU (pretraining, the
+smoke runs, the sweep, the seeds at the best rate, the ablations, the rows), the 128 M host's shape, the rows of an
+older summary, the table and plot over host sizes, and the pace rule that drops sweep points, never seeds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,179 +17,96 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import box_scale  # noqa: E402
 
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO))
-    env.pop("OUT", None)
-    # each call its own process, as on the device (Accelerate fixes device and precision once per process)
-    return subprocess.run([sys.executable, "bench/box_scale.py", *args, "--scale", "tiny", "--threads", "1",
-                           "--device", "cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stderr[-3000:]
+SUMMARY_27M = REPO / "docs/bench/data/box_scale_27m_language_host_exact_init_h100_2026-11-27/summary.md"
 
 
 @pytest.mark.slow
-def test_staged_flow_pretrain_in_two_calls_finetune_two_kinds_two_seeds_summarize(tmp_path):
-    from safetensors.torch import load_file
-
-    _ok(_run("pretrain", "--out", str(tmp_path / "call1"), "--stop-at", "4"))
-    first = json.loads((tmp_path / "call1" / "host" / "state.json").read_text())
-    assert first["step"] == 4 and len(first["calls"]) == 1
-    _ok(_run("pretrain", "--out", str(tmp_path / "call2"), "--resume", str(tmp_path / "call1" / "host")))
-    host = tmp_path / "call2" / "host"
-    state = json.loads((host / "state.json").read_text())
-    assert state["step"] == state["spec"]["host_steps"] == 8
-    assert [c["step"] for c in state["curve"]] == [4, 8] and len(state["calls"]) == 2
-    before, after = load_file(tmp_path / "call1" / "host" / "weights-00.safetensors"), load_file(
-        host / "weights-00.safetensors")
-    assert any(not torch.equal(before[k], after[k]) for k in before)  # the second call trained on
-    # a finished host is not pretrained again
-    done = _run("pretrain", "--out", str(tmp_path / "call3"), "--resume", str(host))
-    assert done.returncode == 2 and "is done (8/8 steps)" in done.stderr
-
+def test_tiny_flow_sweeps_then_runs_the_seeds_at_the_best_rate_and_ablates_them(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "bench/box_scale.py", "run", "--scale", "tiny", "--kinds", "pdssm,mamba2",
+                           "--device", "cpu", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "smoke runs of pdssm, mamba2 passed" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    host = json.loads((tmp_path / "host.json").read_text())
+    assert host["steps"] == box_scale.SCALES["tiny"]["host_steps"] and len(host["curve"]) >= 1
+    assert all(r["host_params"] == host["params"] for r in rows)
     for kind in ("pdssm", "mamba2"):
-        _ok(_run("finetune", "--host", str(host), "--kinds", kind, "--seeds", "0,1",
-                 "--out", str(tmp_path / "results"), "--work", str(tmp_path / f"work-{kind}")))
-        res = json.loads((tmp_path / "results" / f"finetune-{kind}-s0-1.json").read_text())
-        assert res["host"]["fingerprint"] == state["fingerprint"]
-        assert [(r["kind"], r["seed"]) for r in res["runs"]] == [(kind, 0), (kind, 1)]
-        assert res["runs"][0]["host_alone"] is not None and res["runs"][1]["host_alone"] is None
-        assert res["recipe"]["lr"] == 1e-3 and res["recipe"]["weight_decay"] == 0.1  # granite350m's
-        assert res["recipe"]["warmup_ratio"] == 0.1 and res["recipe"]["n"] == 4
-        assert all(r["params"]["inserted"] > 0 for r in res["runs"])  # layers were inserted and trained
-
-    # a variant of the recipe (--set), recorded per run and listed apart by summarize
-    _ok(_run("finetune", "--host", str(host), "--kinds", "pdssm", "--seeds", "0", "--set", '{"lr": 0.003}',
-             "--tag", "lr", "--out", str(tmp_path / "results"), "--work", str(tmp_path / "work-lr")))
-    res = json.loads((tmp_path / "results" / "finetune-pdssm-s0-lr.json").read_text())
-    assert res["set"] == {"lr": 0.003} and res["runs"][0]["set"] == {"lr": 0.003}
-    assert json.loads((tmp_path / "work-lr" / "pdssm-s0" / "config.json").read_text())["lr"] == 0.003
-
-    _ok(_run("summarize", str(tmp_path / "results"), "--out", str(tmp_path / "summary")))
-    summary = json.loads((tmp_path / "summary" / "summary.json").read_text())
-    assert [(r["label"], r["seeds"]) for r in summary["rows"]] == [("host alone", 1), ("+ 4 pdssm", 2),
-                                                                  ('+ 4 pdssm {"lr": 0.003}', 1),
-                                                                  ("+ 4 mamba2", 2)]
-    for row in summary["rows"]:
-        for key in ("iid_accuracy", "ood_accuracy", "iid_state_accuracy", "ood_state_accuracy"):
-            mean, spread = row[key]
-            assert 0 <= mean <= 100 and spread >= 0
-    assert all(sorted(map(int, c["test"]["by_num_ops"])) == list(range(9)) for c in summary["curves"])
-    table = (tmp_path / "summary" / "summary.md").read_text()
-    assert "| + 4 mamba2 | 2 |" in table and "| host alone | 1 |" in table
-    assert (tmp_path / "summary" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+        sweep = [r for r in rows if r["kind"] == kind and r["stage"] == "sweep" and r["eval"] == "as trained"]
+        assert sorted(r["lr"] for r in sweep) == sorted(box_scale.LR_GRID[kind]) and {r["seed"] for r in sweep} == {0}
+        best = next(r for r in rows if r["kind"] == kind and r["eval"] == "best lr")
+        assert best["lr"] == max(sweep, key=lambda r: (r["validation"], -box_scale.LR_GRID[kind].index(r["lr"])))["lr"]
+        seeds = [r for r in rows if r["kind"] == kind and r["eval"] == "as trained" and r["lr"] == best["lr"]]
+        assert sorted(r["seed"] for r in seeds) == [0, 1]  # the sweep's run at the best rate is seed 0
+        alone = [r for r in rows if r["kind"] == kind and r["eval"] == "tokens alone"]
+        assert sorted(r["seed"] for r in alone) == [0, 1] and {r["lr"] for r in alone} == {best["lr"]}
+        for r in seeds + alone:
+            assert len(r["curve"]) == box_scale.SCALES["tiny"]["test_max_ops"] + 1
+            assert 0 <= r["iid"] <= 100 and 0 <= r["ood"] <= 100 and set(r["whole_state"]) == {"iid", "ood"}
+    assert [r["eval"] for r in rows if r["kind"] == "host"] == ["host alone"]  # once
+    settings = json.loads((tmp_path / "work" / f"pdssm-lr{best['lr']:g}-s1" / "settings.json").read_text())
+    assert settings["weight_decay"] == 0.1 and settings["n"] == 4 and settings["tau_end"] == 0.1  # granite350m's
+    table = (tmp_path / "summary.md").read_text()
+    assert "| host alone |" in table and "| pdssm |" in table and "| mamba2 |" in table
 
 
-def test_27m_checkpoint_fits_the_transfer_limits_and_round_trips(tmp_path):
-    spec = box_scale.SCALES["27m"]
-    model, _ = box_scale.build(spec)
-    n = sum(p.numel() for p in model.parameters())
-    assert 25e6 < n < 28e6
-    box_scale.save_host(tmp_path / "host", model, {"spec": spec, "step": 0})
-    files = sorted((tmp_path / "host").iterdir())
-    assert len(files) <= 6  # + the call's log: at most 8 files come back from $OUT
-    assert all(f.stat().st_size <= 16 * 2**20 for f in files)
-    assert sum(f.stat().st_size for f in files) <= box_scale.TRANSPORT_MIB * 2**20
-    loaded, _, state = box_scale.load_host(tmp_path / "host", spec)
-    assert state["shards"] == len(files) - 1
-    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
-        assert torch.equal(a.to(torch.bfloat16).float(), b), name
+def test_the_128m_host_is_a_granite_4_h_hybrid_of_over_100m_parameters():
+    model, tok = box_scale.build_host(box_scale.SCALES["128m"])
+    cfg = model.config
+    assert type(model).__name__ == "GraniteMoeHybridForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) > 1e8
+    assert [i for i, t in enumerate(cfg.layer_types) if "mamba" not in t and "linear" not in t] == [5, 15, 25, 35]
+    assert cfg.num_hidden_layers == 40 and cfg.position_embedding_type == "nope"  # granite-4.0-h-micro's
+    assert cfg.mamba_n_heads * cfg.mamba_d_head == 2 * cfg.hidden_size and cfg.mamba_d_state == 128
+    assert cfg.vocab_size == len(tok)
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings_and_an_incomplete_one(tmp_path, capsys):
-    spec = box_scale.SCALES["tiny"]
-    model, _ = box_scale.build(spec)
-    box_scale.save_host(tmp_path / "host", model, {"spec": spec, "step": 2})
+def test_rows_of_the_older_summary_are_the_recipe_rate_runs_with_their_spread():
+    rows = box_scale.rows_from_summary(SUMMARY_27M.read_text(), 26_760_288, 1e-3)
+    by = {r["kind"]: r for r in rows}
+    assert set(by) == {"host", "pdssm", "mamba2", "deltanet"}
+    line = next(x for x in SUMMARY_27M.read_text().splitlines() if x.startswith("| + 4 mamba2 |"))
+    iid, ood = (c.strip() for c in line.split("|")[3:5])
+    assert f"{by['mamba2']['iid']} ± {by['mamba2']['std']['iid']}" == iid
+    assert f"{by['mamba2']['ood']} ± {by['mamba2']['std']['ood']}" == ood
+    assert all(len(r["curve"]) == 27 and r["seeds"] >= 1 for r in rows)
+    assert box_scale.mean_std([by["pdssm"]], "ood") == (by["pdssm"]["ood"], by["pdssm"]["std"]["ood"], 3)
+
+
+def _row(params, kind, seed, lr, iid, ood, ev="as trained"):
+    return {"host_params": params, "kind": kind, "seed": seed, "lr": lr, "eval": ev, "iid": iid, "ood": ood,
+            "whole_state": {"iid": 1.0, "ood": 0.0}, "curve": [iid, ood]}
+
+
+def test_table_takes_each_kind_at_its_best_rate_and_gives_the_gap_to_the_better_baseline(tmp_path):
+    rows = [_row(1e8, "pdssm", s, 3e-4, 50 + s, 20 + 2 * s) for s in range(3)]
+    rows += [_row(1e8, "pdssm", 0, 1e-3, 90, 90)]  # a sweep point that lost on validation: left out
+    rows += [_row(1e8, "mamba2", s, 1e-3, 40, 10 + s) for s in range(3)]
+    rows += [_row(1e8, "deltanet", s, 1e-3, 40, 15) for s in range(3)]
+    rows += [_row(1e8, "pdssm", s, 3e-4, 30, 5, "tokens alone") for s in range(3)]
+    rows += [{"host_params": 1e8, "kind": k, "eval": "best lr", "lr": lr}
+             for k, lr in (("pdssm", 3e-4), ("mamba2", 1e-3), ("deltanet", 1e-3))]
+    table = box_scale.table(rows)
+    assert "| 100 M | pdssm | 0.0003 | 3 | 51.0 ± 1.0 | 22.0 ± 2.0 | 1.0 ± 0.0 | 30.0 ± 0.0 / 5.0 ± 0.0 |" in table
+    assert "| 100 M | +7.0 | 2.0 |" in table  # 22.0 against deltanet's 15.0; the larger std is pdssm's
+    path = box_scale.plot(rows + box_scale.rows_from_summary(SUMMARY_27M.read_text(), 26_760_288, 1e-3),
+                          tmp_path / "scale.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadline():
+    assert box_scale.fits(owed=9, elapsed=0, runs_done=0, left=1)  # no pace yet: the first runs start
+    assert box_scale.fits(owed=6, elapsed=200, runs_done=2, left=600)  # 6 x 100 s
+    assert not box_scale.fits(owed=7, elapsed=200, runs_done=2, left=600)
+
+
+@pytest.mark.parametrize("argv, message", [(["summarize"], "summarize needs rows files"),
+                                           (["import-summary", "x.md"], "import-summary needs --host-params"),
+                                           (["summarize", "rows.jsonl"], "summarize needs --out"),
+                                           (["run", "--kinds", "pdssm,lstm"], "--kinds: choose from")])
+def test_bad_command_lines_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit, match="^2$"):
-        box_scale.load_host(tmp_path / "host", {**spec, "hidden": 64})
-    assert "hidden: 32 there, 64 here" in capsys.readouterr().err
-    (tmp_path / "host" / "weights-00.safetensors").unlink()
-    with pytest.raises(SystemExit, match="^2$"):
-        box_scale.load_host(tmp_path / "host", spec)
-    assert "incomplete: missing weights-00.safetensors" in capsys.readouterr().err
-
-
-def test_a_host_too_big_to_cross_calls_is_refused_before_training(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/box_scale.py", "pretrain", "--hidden", "768", "--heads", "12",
-                           "--kv-heads", "4", "--device", "cpu", "--out", str(tmp_path)], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "over the 56 MiB that can cross device calls" in proc.stderr
-    assert not (tmp_path / "host").exists()
-
-
-class _Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(3))
-
-    def forward(self, x, use_cache=False):
-        return SimpleNamespace(loss=(self.w * x).pow(2).sum())
-
-
-def test_pretraining_loop_resumes_its_schedule_with_a_rewarm(monkeypatch):
-    from llm_surgery.train.host import train_all_weights
-
-    lrs = []
-    step = torch.optim.AdamW.step
-
-    def record(self, *a, **k):
-        lrs.append(self.param_groups[0]["lr"])
-        return step(self, *a, **k)
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", record)
-    batches = iter(lambda: {"x": torch.ones(3)}, None)
-    train_all_weights(_Tiny(), batches, steps=10, lr=1.0, log=lambda m: None)
-    full, lrs[:] = list(lrs), []
-    train_all_weights(_Tiny(), batches, steps=10, lr=1.0, start=6, rewarm_steps=2, log=lambda m: None)
-    assert lrs == pytest.approx([full[6] / 2, full[7], full[8], full[9]])
-    with pytest.raises(ValueError, match="start must be in"):
-        train_all_weights(_Tiny(), batches, steps=10, lr=1.0, start=10)
-
-
-def test_summarize_refuses_results_of_different_hosts_and_an_empty_folder(tmp_path, capsys):
-    for i, fingerprint in enumerate(("aaaa", "bbbb")):
-        (tmp_path / f"finetune-pdssm-s{i}.json").write_text(json.dumps({"host": {"fingerprint": fingerprint},
-                                                                        "runs": []}))
-    with pytest.raises(SystemExit, match="^2$"):
-        box_scale.main(["summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
-    assert "2 different hosts (aaaa, bbbb)" in capsys.readouterr().err
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="^2$"):
-        box_scale.main(["summarize", str(tmp_path / "empty"), "--out", str(tmp_path / "summary")])
-    assert "no finetune-*.json results in" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="^2$"):
-        box_scale.load_host(tmp_path)  # a folder that is no checkpoint
-    assert "is not a box_scale host checkpoint (no state.json)" in capsys.readouterr().err
-
-
-def test_language_host_learns_every_token_of_documents_without_queries_and_resumes_its_order():
-    from llm_surgery.train import make_host
-
-    tok = box_scale.build(box_scale.SCALES["tiny"], "meta")[1]
-    spec = {**box_scale.SCALES["tiny"], "host_data": "language", "host_sequences": 30}
-    batches, what = box_scale.host_batches(spec, tok, 0)
-    first = [next(batches) for _ in range(4)]
-    assert "no queries" in what
-    for b in first:  # the loss on every real token, each document closed by EOS
-        assert torch.equal(b["labels"] != -100, b["attention_mask"] == 1)
-        ends = b["attention_mask"].sum(1) - 1
-        assert (b["input_ids"][torch.arange(len(ends)), ends] == tok.eos_token_id).all()
-    resumed = next(box_scale.host_batches(spec, tok, 3)[0])  # a resumed call goes on with the 4th batch
-    assert torch.equal(resumed["input_ids"], first[3]["input_ids"])
-    docs, _ = make_host.language_documents(30, doc_seed=1, seed=0)
-    assert all(d.endswith(".") for d in docs)  # no document ends in a query ("... . Box 3", then the answer)
-    task, what = box_scale.host_batches({**box_scale.SCALES["tiny"], "host_sequences": 30}, tok, 0)
-    b = next(task)  # the task host: the loss on the answers only
-    assert "answers" in what and (b["labels"] != -100).sum() < (b["attention_mask"] == 1).sum()
-
-
-@pytest.mark.parametrize("value, message", [('{"nope": 1}', "--set names no trainer setting: nope"),
-                                            ("[1]", "--set must be a JSON object")])
-def test_finetune_settings_are_refused_before_work(value, message, capsys):
-    with pytest.raises(SystemExit, match="^2$"):
-        box_scale.parse_args(["finetune", "--host", "x", "--set", value])
+        box_scale.main(argv)
     assert message in capsys.readouterr().err

@@ -66,6 +66,27 @@ def test_make_host_pretrains_on_whole_permutations_and_stops_where_told():
     assert [c["step"] for c in curve] == [3, 5] and all(c["loss"] > 0 for c in curve)
     assert not model.training and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
+def test_length_buckets_keep_the_documents_and_cut_the_padding():
+    """`shuffled_batches(..., buckets=K)`: each run of K batches holds the documents of K plain batches of the same
+    seed (within the first permutation: 3 x 32 of 120 here), sorted by length into batches, so the padding falls."""
+    from llm_surgery.box_data import generate_split, signature_partition
+    from llm_surgery.train.make_host import build, documents, encode_docs, shuffled_batches
+
+    _, tok = build(0)
+    train = generate_split("train", 40, 6, seed=1, signatures=signature_partition(2255)["train"])
+    data = encode_docs(tok, documents(train, random.Random(0)))
+    plain, bucketed = shuffled_batches(data, 8, seed=3), shuffled_batches(data, 8, seed=3, buckets=4)
+    def real(b):
+        return sorted(tuple(r[m.bool()].tolist()) for r, m in zip(b["input_ids"], b["attention_mask"]))
+    pad = [0, 0]
+    for _ in range(3):
+        runs = [[next(s) for _ in range(4)] for s in (plain, bucketed)]
+        assert sorted(sum((real(b) for b in runs[0]), [])) == sorted(sum((real(b) for b in runs[1]), []))
+        for i, run in enumerate(runs):
+            pad[i] += sum(int((b["attention_mask"] == 0).sum()) for b in run)
+    assert pad[1] < pad[0] / 2
+
+
 def _corrupt_copy(tmp_path) -> Path:
     bad = tmp_path / "box_host"
     shutil.copytree(SHIPPED_HOST, bad)
