@@ -12,7 +12,7 @@ finishes. `summarize` merges the rows of several host sizes into a table and a p
     setsid python bench/box_scale.py run --out /tmp/box_scale > /tmp/box_scale.out 2>&1 &   # the device, polled
     python bench/box_scale.py run --scale tiny --out /tmp/box_tiny             # the whole flow on the CPU, tiny
     python bench/box_scale.py run --scale shipped --out /tmp/box_shipped       # the shipped host (CPU main job)
-    python bench/box_scale.py summarize docs/bench/data/box_scale_*.jsonl --out docs/bench/data/box_scale.png
+    python bench/box_scale.py summarize ROWS.jsonl ... --out box_scale.png         # the table, and the plot
 
 `--scale shipped` skips pretraining: it fine-tunes the shipped 162k host with the CPU main job's settings, the same
 sweep, seeds and ablation, so the smallest size's rows come from the same flow.
@@ -100,7 +100,7 @@ def documents(sequences: int, workers: int) -> tuple[list[str], list[str]]:
 
 def seconds_per_step(model, batches, device, amp, steps: int = 8) -> float:
     """A pretraining step's time (forward and backward, no update: the weights stay as they are), after four steps
-    that compile and tune the kernels (after two, the H200 still took 0.60 s a step against 0.42 s in the run)."""
+    that compile and tune the kernels (timed after two, the H200 gave 0.60 s; the run that followed took 0.42 s)."""
     model.to(device).train()
     for k in range(4 + steps):
         if k == 4:
@@ -147,7 +147,7 @@ def pretrain_host(args, spec: dict, work: Path, deadline: float) -> dict:
     curve = pretrain_docs(model, tok, docs, held_out[:200], batch_size=spec["host_batch"], lr=spec["host_lr"],
                           max_seconds=1.2 * budget if step_s else float("inf"), steps=steps, seed=0, log=log,
                           eval_every=max(1, steps // 8), buckets=8, device=device, autocast_dtype=amp)
-    seconds = time.time() - t1
+    seconds, steps = time.time() - t1, curve[-1]["step"]  # fewer than planned where the time limit cut it
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         restated = restatement_accuracy(model, tok, held_out)
     doc_tokens = statistics.fmean(len(d) for d in encode_docs(tok, docs[:5000]))
@@ -377,7 +377,7 @@ def stage_run(args) -> None:
     spec = {**SCALES[args.scale], **({"minutes": args.minutes} if args.minutes is not None else {})}
     t0 = time.time()
     deadline = t0 + 60 * spec["minutes"] if spec["minutes"] else float("inf")  # 0: none
-    out, work = Path(args.out), Path(args.out) / "work"
+    out, work = Path(args.out), Path(args.out) / "runs"
     work.mkdir(parents=True, exist_ok=True)
     (out / "rows.jsonl").write_text("")
     log(f"box_scale run --scale {args.scale} on {args.device}, torch {torch.__version__}; {spec}")
@@ -461,7 +461,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """OOD exact match against host parameters per kind (mean, bars: std over seeds), and pdssm's gap."""
+    """OOD exact match against host parameters per kind (mean, bars: std over seeds), and pdssm's gap to the
+    better baseline (bars: the larger of the two spreads)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -476,10 +477,13 @@ def plot(rows: list[dict], path: Path) -> Path:
                     capsize=3, label=f"+ 4 {kind}")
     ax.set(xscale="log", xlabel="host parameters", ylabel="Box OOD exact match (%)", title="Box OOD (7-26 ops)")
     ax.legend()
-    gap = [(p, mean_std(g[(p, "pdssm")]["as trained"], "ood")[0]
-            - max(mean_std(g[(p, k)]["as trained"], "ood")[0] for k in BASELINES))
-           for p in sizes if all((p, k) in g for k in KINDS)]
-    gap_ax.plot([p for p, _ in gap], [v for _, v in gap], marker="o", color="black")
+    gap = []
+    for p in (p for p in sizes if all((p, k) in g for k in KINDS)):
+        ours = mean_std(g[(p, "pdssm")]["as trained"], "ood")
+        better = max((mean_std(g[(p, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
+        gap.append((p, ours[0] - better[0], max(ours[1], better[1])))
+    gap_ax.errorbar([p for p, _, _ in gap], [v for _, v, _ in gap], yerr=[e for _, _, e in gap], marker="o",
+                    capsize=3, color="black")
     gap_ax.axhline(0, color="grey", lw=0.8)
     gap_ax.set(xscale="log", xlabel="host parameters", ylabel="points", title="pdssm OOD - better baseline's")
     fig.tight_layout()
@@ -538,7 +542,7 @@ def main(argv=None) -> None:
                                   "import-summary: the rows file")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--minutes", type=float, help="run: the whole run's wall-clock budget (default: the scale's)")
-    ap.add_argument("--host", help="run: fine-tune this host of an earlier run (<out>/work/host) instead")
+    ap.add_argument("--host", help="run: fine-tune this host of an earlier run (the host folder of its <out>) instead")
     ap.add_argument("--host-alone", action="store_true", help="ablate: also evaluate the host alone")
     ap.add_argument("--host-params", type=int, help="import-summary: the host's parameters")
     ap.add_argument("--lr", type=float, default=1e-3, help="import-summary: the runs' learning rate")

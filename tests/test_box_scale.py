@@ -46,7 +46,7 @@ def test_tiny_flow_sweeps_then_runs_the_seeds_at_the_best_rate_and_ablates_them(
             assert len(r["curve"]) == box_scale.SCALES["tiny"]["test_max_ops"] + 1
             assert 0 <= r["iid"] <= 100 and 0 <= r["ood"] <= 100 and set(r["whole_state"]) == {"iid", "ood"}
     assert [r["eval"] for r in rows if r["kind"] == "host"] == ["host alone"]  # once
-    settings = json.loads((tmp_path / "work" / f"pdssm-lr{best['lr']:g}-s1" / "settings.json").read_text())
+    settings = json.loads((tmp_path / "runs" / f"pdssm-lr{best['lr']:g}-s1" / "settings.json").read_text())
     assert settings["weight_decay"] == 0.1 and settings["n"] == 4 and settings["tau_end"] == 0.1  # granite350m's
     table = (tmp_path / "summary.md").read_text()
     assert "| host alone |" in table and "| pdssm |" in table and "| mamba2 |" in table
