@@ -34,7 +34,7 @@ def test_tiny_flow_sweeps_then_runs_the_seeds_at_the_best_rate_and_ablates_them(
     assert host["steps"] == box_scale.SCALES["tiny"]["host_steps"] and len(host["curve"]) >= 1
     assert all(r["host_params"] == host["params"] for r in rows)
     for kind in ("pdssm", "mamba2"):
-        sweep = [r for r in rows if r["kind"] == kind and r["stage"] == "sweep" and r["eval"] == "as trained"]
+        sweep = [r for r in rows if r["kind"] == kind and r.get("stage") == "sweep" and r["eval"] == "as trained"]
         assert sorted(r["lr"] for r in sweep) == sorted(box_scale.LR_GRID[kind]) and {r["seed"] for r in sweep} == {0}
         best = next(r for r in rows if r["kind"] == kind and r["eval"] == "best lr")
         assert best["lr"] == max(sweep, key=lambda r: (r["validation"], -box_scale.LR_GRID[kind].index(r["lr"])))["lr"]
@@ -46,7 +46,8 @@ def test_tiny_flow_sweeps_then_runs_the_seeds_at_the_best_rate_and_ablates_them(
             assert len(r["curve"]) == box_scale.SCALES["tiny"]["test_max_ops"] + 1
             assert 0 <= r["iid"] <= 100 and 0 <= r["ood"] <= 100 and set(r["whole_state"]) == {"iid", "ood"}
     assert [r["eval"] for r in rows if r["kind"] == "host"] == ["host alone"]  # once
-    settings = json.loads((tmp_path / "runs" / f"pdssm-lr{best['lr']:g}-s1" / "settings.json").read_text())
+    best = next(r["lr"] for r in rows if r["kind"] == "pdssm" and r["eval"] == "best lr")
+    settings = json.loads((tmp_path / "runs" / f"pdssm-lr{best:g}-s1" / "settings.json").read_text())
     assert settings["weight_decay"] == 0.1 and settings["n"] == 4 and settings["tau_end"] == 0.1  # granite350m's
     table = (tmp_path / "summary.md").read_text()
     assert "| host alone |" in table and "| pdssm |" in table and "| mamba2 |" in table
