@@ -5,9 +5,9 @@ layers 9 : 1 with attention at layers 5, 15, 25, 35 as in granite-4.0-h-micro; 1
 on the Box *language* (descriptions with operations, restatements; never a query or an answer) for a wall-clock
 budget, then fine-tunes 4 inserted layers of each kind on the frozen host with the granite350m recipe: a
 learning-rate sweep at seed 0, then seeds 1.. at each kind's best rate by *validation* exact match, trainer
-processes side by side on the GPU(s); then each chosen run again with its inserted mixers seeing every token alone
-(`insert.ablation.tokens_alone`: what their memory adds). A JSON line per evaluation goes to <out>/rows.jsonl as it
-finishes. `summarize` merges the rows of several host sizes into a table and a plot.
+processes side by side on the GPU(s); then seed 0 at each kind's rate again with its inserted mixers seeing every
+token alone (`insert.ablation.tokens_alone`: what their memory adds), and the host alone. A JSON line per evaluation
+goes to <out>/rows.jsonl as it finishes. `summarize` merges the rows of several host sizes into a table and a plot.
 
     setsid python bench/box_scale.py run --out /tmp/box_scale > /tmp/box_scale.out 2>&1 &   # the device, polled
     python bench/box_scale.py run --scale tiny --out /tmp/box_tiny             # the whole flow on the CPU, tiny
@@ -297,7 +297,8 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
 
     def chosen(kind) -> list[Job]:
         """Once every point of a kind's sweep is in (run, failed or dropped): the seeds at its best rate by
-        validation exact match (ties: the earlier point) and the evaluations of the sweep's run at that rate."""
+        validation exact match (ties: the earlier point) and the ablations of the sweep's run at that rate (seed 0
+        alone: each is ~20 s of GPU, which the seeds need more)."""
         if len(sweep[kind]) < len(LR_GRID[kind]) or all(v is None for v in sweep[kind].values()):
             return []
         best = max((r for r in LR_GRID[kind] if sweep[kind][r] is not None), key=lambda r: sweep[kind][r])
@@ -370,7 +371,7 @@ def collect(job: Job, write, sweep: dict, chosen) -> list[Job]:
     if job.stage == "sweep":
         sweep[job.kind][job.lr] = validation
         return chosen(job.kind)
-    return [Job("ablate", job.kind, job.lr, job.seed, job.dir, "seeds")]
+    return []
 
 
 def stage_run(args) -> None:
