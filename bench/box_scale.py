@@ -277,8 +277,8 @@ def row(test: dict, **fields) -> dict:
 
 def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path, out: Path, deadline: float) -> None:
     """The sweep, the seeds at each kind's best rate and the evaluations, `parallel` children at a time; a row per
-    finished evaluation. Runs on one GPU share it by time slices (no faster together than one after another), so
-    the children that run side by side only hide each other's start-up. The seeds come first: a sweep point is
+    finished evaluation. Runs on one GPU share it by time slices (side by side they should not beat one after
+    another), so the children that run side by side are there to hide each other's start-up. The seeds come first: a sweep point is
     dropped when the runs still owed (at the pace of those finished) would pass the deadline."""
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     base = {"host_params": host["params"], "host": args.scale, "recipe": spec["recipe"], "steps": spec["steps"],
@@ -343,7 +343,7 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
 
 def fits(owed: int, elapsed: float, runs_done: int, left: float) -> bool:
     """Whether `owed` more runs end within `left` seconds at the pace of the `runs_done` that took `elapsed` (the
-    GPU's time slices make the pace one of the whole, whatever ran side by side). Before any run ends: yes."""
+    pace of the whole, whatever ran side by side). Before any run ends: yes."""
     return runs_done == 0 or owed * elapsed / runs_done <= left
 
 
