@@ -278,8 +278,9 @@ def row(test: dict, **fields) -> dict:
 def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path, out: Path, deadline: float) -> None:
     """The sweep, the seeds at each kind's best rate and the evaluations, `parallel` children at a time; a row per
     finished evaluation. Runs on one GPU share it by time slices (side by side they should not beat one after
-    another), so the children that run side by side are there to hide each other's start-up. The seeds come first: a sweep point is
-    dropped when the runs still owed (at the pace of those finished) would pass the deadline."""
+    another), so the children that run side by side are there to hide each other's start-up. The seeds come
+    first: a sweep point is dropped when the runs still owed (at the pace of those finished) would pass the
+    deadline."""
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     base = {"host_params": host["params"], "host": args.scale, "recipe": spec["recipe"], "steps": spec["steps"],
             "batch": spec["batch"], "device": host["device"], "versions": host["versions"],
