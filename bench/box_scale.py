@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from mixers_cuda_vs_cpu import versions  # noqa: E402  (python, torch and the kernel libraries' versions, the GPU)
 KINDS = ("pdssm", "mamba2", "deltanet")
 BASELINES = ("mamba2", "deltanet")
 RECIPE = "granite350m"  # the paper's recipe of the nearest Granite 4.0 size (llm_surgery.train.paper)
@@ -168,18 +170,6 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("torch", "transformers", "triton", "flash-linear-attention", "mamba-ssm"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 # ---------------------------------------------------------------- the fine-tuning runs
 
 def trainer_settings(args, spec: dict, host_dir: str | None, kind: str, lr: float, seed: int, out: Path) -> dict:
@@ -222,8 +212,8 @@ class Job:
         cmd = [sys.executable, __file__, self.what, str(self.dir), "--device", args.device,
                *(["--host-alone"] if self.host_alone else [])]
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.dir / f"{self.what}.log", "w"),
-                                     stderr=subprocess.STDOUT)
+        with open(self.dir / f"{self.what}.log", "w") as out:  # the child holds its own copy
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def smoke(args, spec: dict, work: Path) -> None:
@@ -296,10 +286,11 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
 
     sweep: dict[str, dict[float, float | None]] = {k: {} for k in args.kinds}  # lr -> validation (None: failed)
 
-    def chosen(kind) -> list[Job]:
-        """Once every point of a kind's sweep is in (run, failed or dropped): the seeds at its best rate by
-        validation exact match (ties: the earlier point) and the ablations of the sweep's run at that rate (seed 0
-        alone: each is ~20 s of GPU, which the seeds need more)."""
+    def chosen(kind, lr, validation) -> list[Job]:
+        """A sweep point is in (`validation` None: failed or dropped). Once every point of the kind's is: the
+        seeds at its best rate by validation exact match (ties: the earlier point) and the ablations of the
+        sweep's run at that rate (seed 0 alone: each is ~20 s of GPU, which the seeds need more)."""
+        sweep[kind][lr] = validation
         if len(sweep[kind]) < len(LR_GRID[kind]) or all(v is None for v in sweep[kind].values()):
             return []
         best = max((r for r in LR_GRID[kind] if sweep[kind][r] is not None), key=lambda r: sweep[kind][r])
@@ -320,7 +311,7 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
         for job in [j for j in running if j.proc.poll() is not None]:
             running.remove(job)
             finished.append(job)
-            pending += collect(job, write, sweep, chosen)
+            pending += collect(job, write, chosen)
         while pending and len(running) < spec["parallel"] * max(1, gpus):
             pending.sort(key=lambda j: order[j.what if j.what == "ablate" else j.stage])
             job = pending.pop(0)
@@ -330,13 +321,12 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
             if job.stage == "sweep" and not fits(owed, time.time() - t_start, runs_done, deadline - time.time()):
                 log(f"dropped {job.name}: {owed} runs still owed at the pace so far would pass the deadline "
                     f"({deadline - time.time():.0f} s away)")
-                sweep[job.kind][job.lr] = None
-                pending += chosen(job.kind)
+                pending += chosen(job.kind, job.lr, None)
                 continue
             if time.time() > deadline:
                 log(f"not started (past the deadline): {job.name}")
                 continue
-            job.start(args, sum(1 for j in [*running, *finished] if j.proc) % gpus if gpus else None)
+            job.start(args, (len(running) + len(finished)) % gpus if gpus else None)
             running.append(job)
             log(f"started {job.name}")
         time.sleep(0.5)
@@ -348,17 +338,14 @@ def fits(owed: int, elapsed: float, runs_done: int, left: float) -> bool:
     return runs_done == 0 or owed * elapsed / runs_done <= left
 
 
-def collect(job: Job, write, sweep: dict, chosen) -> list[Job]:
+def collect(job: Job, write, chosen) -> list[Job]:
     """A finished child's rows; returns the jobs it makes due (a sweep's seeds, a run's evaluations)."""
     seconds = time.time() - job.t0
     meta = {"kind": job.kind, "seed": job.seed, "lr": job.lr, "stage": job.stage, "seconds": round(seconds)}
     if job.proc.returncode != 0:
         log(f"FAILED {job.name} (exit {job.proc.returncode}) after {seconds:.0f} s:\n"
             + (job.dir / f"{job.what}.log").read_text()[-2000:])
-        if job.what == "finetune-one" and job.stage == "sweep":
-            sweep[job.kind][job.lr] = None
-            return chosen(job.kind)
-        return []
+        return chosen(job.kind, job.lr, None) if job.what == "finetune-one" and job.stage == "sweep" else []
     if job.what == "ablate":
         for name, test in json.loads((job.dir / "ablation.json").read_text()).items():
             write(row(test, eval=name, **(meta if name == "tokens alone" else {**meta, "kind": "host"})))
@@ -369,10 +356,7 @@ def collect(job: Job, write, sweep: dict, chosen) -> list[Job]:
     write(row(res["test"], eval="as trained", validation=validation, params=res["params"]["trainable"], **meta))
     log(f"done {job.name} ({seconds:.0f} s): validation {validation}, test IID {pct(res['test']['iid']['accuracy'])}"
         f" / OOD {pct(res['test']['ood']['accuracy'])}")
-    if job.stage == "sweep":
-        sweep[job.kind][job.lr] = validation
-        return chosen(job.kind)
-    return []
+    return chosen(job.kind, job.lr, validation) if job.stage == "sweep" else []
 
 
 def stage_run(args) -> None:
@@ -398,16 +382,16 @@ def stage_run(args) -> None:
         host_dir = str(work / "host")
     (out / "host.json").write_text(json.dumps({**host, "scale": args.scale}, indent=1))
     finetune_all(args, spec, host_dir, host, work, out, deadline)
-    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    (out / "summary.md").write_text(table(rows) + "\n")
-    log(f"box_scale done in {time.time() - t0:.0f} s; rows: {out / 'rows.jsonl'}\n{table(rows)}")
+    summary = table([json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()])
+    (out / "summary.md").write_text(summary + "\n")
+    log(f"box_scale done in {time.time() - t0:.0f} s; rows: {out / 'rows.jsonl'}\n{summary}")
 
 
 # ---------------------------------------------------------------- summary over host sizes
 
 def groups(rows: list[dict]) -> dict[tuple[int, str], dict]:
     """Per (host params, kind): the runs at the kind's chosen rate (the seeds), their tokens-alone evaluations,
-    and the host alone. A row without a seed of its own stands for several (`seeds`, `*_std`: older tables)."""
+    and the host alone. A row without a seed of its own stands for several (`seeds`, `std`: older tables)."""
     best = {(r["host_params"], r["kind"]): r["lr"] for r in rows if r["eval"] == "best lr"}
     out: dict[tuple[int, str], dict] = {}
     for r in rows:
