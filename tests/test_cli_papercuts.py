@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,8 +188,9 @@ def test_a_recipe_with_a_bad_model_path_is_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_recipe_under_a_two_process_launch_fails_in_each_process_with_one_line(tmp_path):
-    """Each process exits with status 2 and only rank 0 prints the one line; no traceback of ours. (The launcher
-    itself reports its failed children and exits 1: that is Accelerate's and torchrun's.)"""
+    """Each process exits with status 2 and only rank 0 prints the one line; no traceback of ours, no abort. (The
+    launcher itself reports its failed children and exits 1, and stops the others with SIGTERM once the first has
+    exited: that is Accelerate's and torchrun's.)"""
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
@@ -197,7 +199,9 @@ def test_a_recipe_under_a_two_process_launch_fails_in_each_process_with_one_line
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("recipes/granite3b.py: error:")]
     assert ours == ["recipes/granite3b.py: error: model path /bad/path does not exist"], proc.stderr
-    assert proc.stderr.count("exitcode  : 2") == 2 and "llm_surgery/" not in proc.stderr, proc.stderr
+    codes = re.findall(r"exitcode  : (-?\d+)", proc.stderr)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr
+    assert "llm_surgery/" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -195,7 +195,13 @@ def train(cfg: TrainConfig) -> dict:
         if main:
             logger.info(msg)
 
-    run = preflight(cfg, accelerator, log)
+    try:
+        run = preflight(cfg, accelerator, log)
+    except (UsageError, CheckpointError):
+        # every process refuses together: end the process group now, not in interpreter exit (where gloo's
+        # destructor could meet a live store thread: "terminate called without an active exception", SIGABRT)
+        accelerator.end_training()
+        raise
     try:
         if main:
             # after the checks: never a wrong one; with the mixed precision in effect (flag or Accelerate's config)
