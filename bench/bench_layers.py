@@ -24,16 +24,15 @@ perturbs the timings.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 from cuda_timing import times_ms
+from versions import versions
 
 OUT = os.environ.get("OUT", ".")
 RESULTS = os.path.join(OUT, "results.jsonl")
@@ -131,15 +130,8 @@ def run_cases(make, args):
 
 def cmd_env(args):
     p = torch.cuda.get_device_properties(0)
-    info = {"kind": "env", "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-            "gpu": p.name, "sms": p.multi_processor_count, "mem_GiB": round(p.total_memory / 2**30, 1),
-            "L2_MB": round(getattr(p, "L2_cache_size", 0) / 1e6, 1)}
-    for dist in ("triton", "transformers", "flash-linear-attention", "fla-core", "mamba_ssm", "causal_conv1d"):
-        try:
-            info[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            info[dist] = "absent"
-    log_result(info)
+    log_result({"kind": "env", **versions(), "cuda": torch.version.cuda, "sms": p.multi_processor_count,
+                "mem_GiB": round(p.total_memory / 2**30, 1), "L2_MB": round(getattr(p, "L2_cache_size", 0) / 1e6, 1)})
 
 
 def cmd_pdssm(args):

@@ -33,7 +33,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from mixers_cuda_vs_cpu import versions  # noqa: E402  (python, torch and the kernel libraries' versions, the GPU)
+from versions import versions  # noqa: E402
 KINDS = ("pdssm", "mamba2", "deltanet")
 BASELINES = ("mamba2", "deltanet")
 RECIPE = "granite350m"  # the paper's recipe of the nearest Granite 4.0 size (llm_surgery.train.paper)

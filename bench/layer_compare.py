@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.metadata as md
 import importlib.util
 import json
 import platform
@@ -40,13 +39,7 @@ import types
 
 import torch
 from cuda_timing import median_ms
-
-
-def _version(dist: str) -> str:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "absent"
+from versions import installed
 
 
 def import_mamba2():
@@ -280,7 +273,7 @@ def main():
     import triton
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
           f"{triton.__version__}, python {platform.python_version()}, flash-linear-attention "
-          f"{_version('flash-linear-attention')}, fla-core {_version('fla-core')}, mamba_ssm {_version('mamba_ssm')}, "
+          f"{installed('flash-linear-attention')}, fla-core {installed('fla-core')}, mamba_ssm {installed('mamba-ssm')}, "
           f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, Triton autotuning "
           f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}, timed "

@@ -21,10 +21,8 @@ import contextlib
 import copy
 import datetime
 import importlib
-import importlib.metadata
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,6 +30,7 @@ import torch
 
 from llm_surgery.layers.registry import MIXER_KINDS, build_mixer, default_options
 from llm_surgery.triton_autotune import quick_autotune
+from versions import versions
 
 
 @contextlib.contextmanager
@@ -147,18 +146,6 @@ def bench_kind(kind, width, batch, L, seed=0) -> dict:
             except Exception as exc:  # noqa: BLE001
                 row[f"ms_fwd_bwd_{mode}_{name}"] = f"error {type(exc).__name__}"
     return row
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("triton", "fla-core", "flash-linear-attention", "mamba-ssm", "transformers"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    if torch.cuda.is_available():
-        out["device"] = torch.cuda.get_device_name()
-    return out
 
 
 def fmt(row: dict) -> str:

@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from versions import versions_in_child
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -330,10 +332,8 @@ def main(argv=None) -> dict:
         print(prebuild_kernels(), flush=True)
     unit = "process" if args.cpu else "GPU"
     gpus = args.gpus or (1 if args.cpu else _cuda_count())
-    from importlib.metadata import version
-
     summary = {"args": {**vars(args), "runs": [f"{m}:{n}@{b}" for m, n, b in args.runs]}, "host": host, "runs": [],
-               "versions": {p: version(p) for p in ("torch", "transformers", "accelerate")}}
+               "versions": versions_in_child()}
 
     def write() -> str:
         md = (f"{args.recipe} on a random-weight {host['host']} host ({host['params'] / 1e6:,.1f} M params), "

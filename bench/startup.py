@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from versions import versions_in_child
+
 REPO = Path(__file__).resolve().parent.parent
 COMMAND = ["accelerate", "launch", "--num_processes", "1", "recipes/granite3b.py",
            "--random-init-config", "granite-4.0-h-micro"]  # the recipe's start-up as measured in BENCHMARKS
@@ -129,26 +131,6 @@ def summarize_profile(path: Path) -> list[str]:
     return out
 
 
-ENV_CODE = """
-import json, os, importlib.metadata as m, torch
-v = {}
-for p in ("torch", "triton", "transformers", "accelerate", "mamba_ssm", "fla-core", "causal_conv1d"):
-    try:
-        v[p] = m.version(p)
-    except m.PackageNotFoundError:
-        v[p] = None
-v["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-v["cpus"] = os.cpu_count()
-print(json.dumps(v))
-"""
-
-
-def environment() -> str:
-    """Versions and device, read by another interpreter (this one imports neither torch nor Triton)."""
-    res = subprocess.run([sys.executable, "-c", ENV_CODE], capture_output=True, text=True)
-    return res.stdout.strip() or res.stderr.strip()[-300:]
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="+", default=["pdssm:fresh", "mamba2:fresh", "pdssm:warm", "mamba2:warm"],
@@ -167,7 +149,7 @@ def main(argv=None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     header = ["# Start-up: time to the first optimizer step", "",
               "    " + " ".join([args.command, "--kind", "K", "--max-steps", str(args.max_steps)] + args.extra),
-              "", environment(), ""]
+              "", json.dumps(versions_in_child()), ""]
     rows, report, caches = [], [], {}
     for i, spec in enumerate(args.runs):
         kind, _, run = spec.partition(":")

@@ -682,10 +682,11 @@ def test_multi_gpu_script_on_cpu(tmp_path):
     assert not (small / "host").exists() and not list(small.rglob("*.safetensors"))
 
 
-def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path):
+def test_multi_gpu_timeout_kills_every_rank_and_reports_the_traceback(tmp_path, monkeypatch):
     """A launch that outlives --timeout is killed with its whole process group (orphaned ranks had kept their GPU
     memory), and a failed launch reports the child's traceback, not the launcher's summary."""
     import importlib.util
+    monkeypatch.syspath_prepend(str(REPO / "bench"))   # its sibling modules, as when run as a script
     spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "bench" / "multi_gpu.py")
     mg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mg)
