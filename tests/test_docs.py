@@ -1,6 +1,7 @@
 """The docs stay a reference a newcomer can read: every raw file in docs/bench/data/ backs a document and every file
-a document names is there; README, BENCHMARKS and CHANGELOG keep their line budgets and bench/ its script budget;
-no issue or session numbers and no paths outside the repository in the docs or the source."""
+a document names is there, and so is every section the docs and source cite; README, BENCHMARKS and CHANGELOG keep
+their line budgets and bench/ its script budget; no issue or session numbers and no paths outside the repository in
+the docs or the source."""
 from __future__ import annotations
 
 import re
@@ -19,6 +20,8 @@ DATA_NAME = re.compile(r"docs/bench/data/([\w.\-/]*[\w/])")
 RELATIVE_LINK = re.compile(r"\]\(data/([^)\s]+)\)")
 TRACKER_NUMBER = re.compile(r"\b(?:session|issue)s?\s*#?\d+(?![.\d])", re.IGNORECASE)
 OUTSIDE_PATH = re.compile(r"/work/|/home/|(?<![\w/])(?:\.\./)+shared\b|(?<![\w/.])shared/(?:notes|tools|paper)/")
+# a section as the docs and source cite it: `docs/bench/layer.md, "Host time"` (the quote may run on over lines)
+SECTION_CITE = re.compile(r'((?:docs/[\w/.-]+|BENCHMARKS|README)\.md)`?,\s*(?:#\s*)?"([^"]+)"')
 SOURCE_SUFFIXES = {".py", ".md", ".cu", ".cuh", ".cpp", ".toml", ".sh", ".cfg", ".in"}
 RAW_TEXT_SUFFIXES = {".md", ".txt", ".log", ".json", ".jsonl"}
 
@@ -65,6 +68,19 @@ def test_every_raw_file_is_named_by_a_document_and_every_named_file_exists():
                          + "\n".join(orphans))
 
 
+def flat(text: str) -> str:
+    """Text with its line breaks, indents and comment marks folded into single spaces, lower case."""
+    return " ".join(re.sub(r"\n\s*#", " ", text).split()).lower()
+
+
+def test_every_cited_section_is_in_its_document():
+    stale = [f"{p.relative_to(ROOT)} cites {target}, \"{flat(section)}\""
+             for p in repository_text_files()
+             for target, section in SECTION_CITE.findall(p.read_text(errors="replace"))
+             if not (ROOT / target).is_file() or flat(section) not in flat((ROOT / target).read_text())]
+    assert not stale, "sections cited that their document no longer has:\n" + "\n".join(stale)
+
+
 def test_budgets():
     for name, limit in LINE_LIMITS.items():
         lines = len((ROOT / name).read_text().splitlines())
@@ -97,3 +113,5 @@ def test_the_checks_catch_what_they_look_for():
     assert not OUTSIDE_PATH.search("shared memory; tests/shared_fixtures.py")
     assert DATA_NAME.findall("raw `docs/bench/data/a_b-1.md`, and docs/bench/data/c.json.") == ["a_b-1.md", "c.json"]
     assert RELATIVE_LINK.findall("![plot](data/x_2026.png)") == ["x_2026.png"]
+    cite = "(on small shapes; `docs/bench/layer.md`, \"Where the\n    # GPU time goes\")"
+    assert [(t, flat(s)) for t, s in SECTION_CITE.findall(cite)] == [("docs/bench/layer.md", "where the gpu time goes")]

@@ -107,8 +107,8 @@ class _Grads:
     batch slices, and the autograd return built from them. The small ones sum in float32; the x projection's
     weight gradient, as large as the weight, sums in u's dtype through the GEMM's own accumulator (one rounding
     a slice, as autograd's linear layer rounds once): a float32 copy cost a zero fill, a cast and an add over it
-    per slice (~0.2 ms of a 3.4 ms layer step at width 2560, B=1, by its bytes; BENCHMARKS.md, "Where the time
-    goes")."""
+    per slice (~0.2 ms of a 3.4 ms layer step at width 2560, B=1, by its bytes; docs/bench/layer.md, "Where the
+    GPU time goes")."""
 
     def __init__(self, u, Wx, M, C, b_gate):
         B, dev = u.shape[0], u.device
@@ -117,7 +117,7 @@ class _Grads:
         self.u = torch.empty_like(u)
         self.x0 = torch.empty(B, H, N, dtype=torch.complex64, device=dev)
         # the small sums share one zeroed buffer: one fill instead of five launches (the backward is host-bound at
-        # small shapes; BENCHMARKS.md, "Host time")
+        # small shapes; docs/bench/layer.md, "Host time")
         shapes = [(H, K, N, N), (2, H, P, N), (H, P), (H * N,), (2, H, N, P) if b_gate != "off" else (0,)]
         sizes = [math.prod(shape) for shape in shapes]
         sums = torch.zeros(sum(sizes), dtype=torch.float32, device=dev).split(sizes)
@@ -221,7 +221,7 @@ class _FusedMiddle(torch.autograd.Function):
             return F.linear(u[sl], Wu).view(b, L, H, W)
 
         # the first slice's projection is queued before the setup below: its small launches cost more host time
-        # than the GPU spends on them, and the GPU would otherwise wait for them (BENCHMARKS.md, "Host time")
+        # than the GPU spends on them, and the GPU would otherwise wait for them (docs/bench/layer.md, "Host time")
         proj = project(slices[0]) if slices else None
         P_dict = column_argmax(M)
         x_re = torch.empty(B, H, L, N, dtype=planes, device=u.device) if keep_states else None

@@ -197,7 +197,7 @@ def _ptr(t):
 def _plan(layout, form, bwd, S, L, N, sms, limit, chunk, algo):
     """(kernel code, chunk length, chunks, warp forward, one wave) of a launch on a GPU of `sms` multiprocessors and
     `limit` bytes of shared memory a block: the same for every call of a shape, so worked out once per shape and
-    GPU (the launch is host-bound at small shapes; BENCHMARKS.md, "Host time")."""
+    GPU (the launch is host-bound at small shapes; docs/bench/layer.md, "Host time")."""
     ext = _module()
     code = policy.algo_code(algo, N, bwd)
     T = int(chunk) if chunk else policy.default_chunk(ext, layout, form, bwd, S, L, N, sms, code, limit)
