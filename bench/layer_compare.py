@@ -2,6 +2,7 @@
 forward-only time, peak memory, and (--decode) one-token decode steps.
 
     PYTHONPATH=. python bench/layer_compare.py --width 1024 --batch 8 32 --lengths 1024 2048 4096 8192
+    PYTHONPATH=. python bench/layer_compare.py --host granite-4.0-h-micro --batch 1 8 --lengths 2048   # its layers
 
 Layers (--kinds; all built in bf16, train mode, parameter-matched through the libraries' own knobs):
   pdssm           this project's FlashPDSSM at its registry defaults (pdssm-ref: the same with `backend="torch"`;
@@ -40,6 +41,8 @@ import types
 import torch
 from cuda_timing import median_ms
 from versions import installed
+
+from llm_surgery.hosts import HOST_CONFIGS
 
 
 def import_mamba2():
@@ -241,6 +244,9 @@ def profile(kind, args) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--host", choices=sorted(HOST_CONFIGS), default=None,
+                    help="take the width from this host's configuration (llm_surgery.hosts): the layers the surgery "
+                         "inserts into it")
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--kinds", nargs="+", default=["pdssm", "fla-deltanet", "mamba2"])
@@ -261,6 +267,8 @@ def main():
                     help="no sync between timed calls, as the issues' tables were taken (bench_layers.py): a layer "
                          "whose host work per call is shorter than its GPU work is timed by its GPU work")
     args = ap.parse_args()
+    if args.host:
+        args.width = HOST_CONFIGS[args.host]["hidden_size"]
     if args.pdssm_slice_mib:
         from llm_surgery.layers.flash_pdssm_fused import _FusedMiddle
         _FusedMiddle.SLICE_BYTES = args.pdssm_slice_mib << 20
@@ -271,7 +279,7 @@ def main():
         profile(args.profile, args)
         return
     import triton
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
+    print(f"# {f'{args.host} (width {args.width}), ' if args.host else ''}{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
           f"{triton.__version__}, python {platform.python_version()}, flash-linear-attention "
           f"{installed('flash-linear-attention')}, fla-core {installed('fla-core')}, mamba_ssm {installed('mamba-ssm')}, "
           f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
