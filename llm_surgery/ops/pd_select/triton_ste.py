@@ -223,7 +223,7 @@ SELECTOR_DOT_CONFIG = {"block_t": 64, "rows": 4, "num_warps": 4, "repeat": 1, "b
 SELECTOR_DOT_CONFIG_WIDE = dict(SELECTOR_DOT_CONFIG, block_t=128, rows=2)   # K > 32
 
 # the tensor-core form holds [tokens, BLOCK_N] tiles of dx and the members' [BLOCK_N, BLOCK_K] destinations in
-# registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 40 in a granite-4.0-h-micro host's layers) ptxas
+# registers: from BLOCK_N = 64 (states of 33-64 entries, e.g. 48 in granite-4.0-h-1b's and -h-tiny's layers) ptxas
 # spills for sm_90 at every block size and row count tried (255 registers and 0.2-4 KB of stack a thread; 215
 # registers and none at N = K = 32), so larger states keep the gathers
 SELECTOR_DOT_MAX_BLOCK_N = 32   # `git show 8438c3e:bench/selector_dot_registers.py` compiled them
