@@ -279,9 +279,12 @@ def main():
         profile(args.profile, args)
         return
     import triton
-    print(f"# {f'{args.host} (width {args.width}), ' if args.host else ''}{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
+    if args.host:
+        print(f"# {args.host}'s inserted layers: width {args.width}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton "
           f"{triton.__version__}, python {platform.python_version()}, flash-linear-attention "
-          f"{installed('flash-linear-attention')}, fla-core {installed('fla-core')}, mamba_ssm {installed('mamba-ssm')}, "
+          f"{installed('flash-linear-attention')}, fla-core {installed('fla-core')}, mamba_ssm "
+          f"{installed('mamba-ssm')}, "
           f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, Triton autotuning "
           f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}, timed "
