@@ -47,3 +47,19 @@ def test_report_table():
     # kinds are parameter-matched by the registry's defaults: within 5% of each other
     counts = [rows[0][k][0] for k in MIXER_KINDS]
     assert max(counts) / min(counts) < 1.05
+    assert rows[0]["pdssm_heads"] == (32, 24, 24) and table.rstrip().endswith("| 32 x 24 |")
+
+
+def test_report_marks_pdssm_heads_the_fused_op_does_not_serve():
+    """Nemotron-H 9B's default pdssm heads (64 x 70) are wider than the fused op's limit: the report says the torch
+    path, and the layer itself refuses backend='kernel' at those sizes; 64-wide heads are served."""
+    from llm_surgery.insert.report import heads_cell
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+
+    heads, state, width = parameter_rows(4, hosts=["nemotron-nano-9b-v2"])[0]["pdssm_heads"]
+    assert (heads, state, width) == (64, 70, 70) and heads_cell(heads, state, width) == "64 x 70 (torch path)"
+    with torch.device("meta"), pytest.raises(ValueError, match="serves heads up to state_size and head_dim 64"):
+        FlashPDSSM(4480, backend="kernel")
+    with torch.device("meta"):
+        served = FlashPDSSM(4480, num_heads=70, backend="kernel")
+    assert (served.state_size, served.head_dim) == (64, 64) and heads_cell(70, 64, 64) == "70 x 64"

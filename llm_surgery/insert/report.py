@@ -1,5 +1,7 @@
 """Parameter report: insert 4 layers of each kind into the real host configurations (`llm_surgery.hosts.HOST_CONFIGS`,
-built on the meta device, so nothing is allocated) and print a markdown table of the inserted share of the model.
+built on the meta device, so nothing is allocated) and print a markdown table of the inserted share of the model, and
+the pdssm layers' heads (count x state size), marked where they are wider than the fused CUDA op serves
+(`layers.flash_pdssm_fused.MAX_HEAD_SIZE`: such layers run the torch path on CUDA).
 
     python -m llm_surgery.insert.report [--n 4]
 """
@@ -9,14 +11,16 @@ from __future__ import annotations
 import argparse
 
 from llm_surgery.hosts import HOST_CONFIGS, build_host
+from llm_surgery.layers import flash_pdssm_fused
 from llm_surgery.layers.registry import MIXER_KINDS
 
 from .host import attention_layers, decoder_layers
-from .surgery import count_parameters, insert_layers, inserted_specs, remove_inserted
+from .surgery import count_parameters, insert_layers, inserted_layers, inserted_specs, remove_inserted
 
 
 def parameter_rows(n: int = 4, hosts=None) -> list[dict]:
-    """One row per host: its size, where the n layers go, and (inserted, total) parameters per kind."""
+    """One row per host: its size, where the n layers go, (inserted, total) parameters per kind, and the pdssm
+    layers' (heads, state size, head width)."""
     rows = []
     for name in hosts or HOST_CONFIGS:
         model = build_host(name, device="meta")
@@ -27,21 +31,30 @@ def parameter_rows(n: int = 4, hosts=None) -> list[dict]:
             insert_layers(model, kind, n)
             row["positions"] = [s.layer_idx for s in inserted_specs(model)]
             row[kind] = count_parameters(model)
+            if kind == "pdssm":
+                mixer = next(iter(inserted_layers(model).values())).mixer
+                row["pdssm_heads"] = (mixer.num_heads, mixer.state_size, mixer.head_dim)
             remove_inserted(model)
         rows.append(row)
     return rows
 
 
+def heads_cell(heads: int, state_size: int, head_dim: int) -> str:
+    """`64 x 32`, with `(torch path)` where the fused op does not serve heads of that size."""
+    fused = flash_pdssm_fused.fits(state_size, head_dim)
+    return f"{heads} x {state_size}" + ("" if fused else " (torch path)")
+
+
 def markdown(rows: list[dict], n: int) -> str:
     head = "| host | params | attention layers | inserted before | " + " | ".join(
-        f"{k} ({n} layers)" for k in MIXER_KINDS) + " |"
-    lines = [head, "|" + " --- |" * (4 + len(MIXER_KINDS))]
+        f"{k} ({n} layers)" for k in MIXER_KINDS) + " | pdssm heads x state |"
+    lines = [head, "|" + " --- |" * (5 + len(MIXER_KINDS))]
     for r in rows:
         cells = [f"{r[k][0] / 1e6:.1f}M ({100 * r[k][0] / r[k][1]:.2f}%)" for k in MIXER_KINDS]
         attn = r["attention_layers"]
         attn = f"all {len(attn)}" if len(attn) == r.get("layers") else attn
         lines.append(f"| {r['host']} | {r['host_params'] / 1e9:.2f}B | {attn} | {r['positions']} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + f" | {heads_cell(*r['pdssm_heads'])} |")
     return "\n".join(lines)
 
 
