@@ -416,6 +416,16 @@ def mean_std(runs: list[dict], field: str) -> tuple[float, float, int] | None:
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0, len(xs)
 
 
+def ood_gap(g: dict, params) -> tuple[float, float, int] | None:
+    """pdssm's OOD exact match minus the better baseline's at host size `params`, the larger of the two spreads and
+    the fewer seeds; None where a kind has no runs there."""
+    if not all((params, k) in g for k in KINDS):
+        return None
+    ours = mean_std(g[(params, "pdssm")]["as trained"], "ood")
+    better = max((mean_std(g[(params, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
+    return ours[0] - better[0], max(ours[1], better[1]), min(ours[2], better[2])
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: per host size and kind, IID / OOD exact match (mean ± std over seeds), the rate, tokens alone;
     then pdssm's OOD gap to the better baseline."""
@@ -435,11 +445,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {params / 1e6:.3g} M | {'host alone' if kind == 'host' else kind} | "
                          f"{'-' if kind == 'host' else format(runs[0]['lr'], 'g')} | {iid[2]} | {fmt(iid)} | "
                          f"{fmt(mean_std(runs, 'ood'))} | {fmt(mean_std(runs, 'whole_state.iid'))} | {alone_cell} |")
-        if all((params, k) in g for k in KINDS):
-            ours = mean_std(g[(params, "pdssm")]["as trained"], "ood")
-            better = max((mean_std(g[(params, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
-            spread = f"{max(ours[1], better[1]):.1f}" if min(ours[2], better[2]) > 1 else "- (1 seed)"
-            gaps.append(f"| {params / 1e6:.3g} M | {ours[0] - better[0]:+.1f} | {spread} |")
+        if gap := ood_gap(g, params):
+            diff, spread, seeds = gap
+            gaps.append(f"| {params / 1e6:.3g} M | {diff:+.1f} | {f'{spread:.1f}' if seeds > 1 else '- (1 seed)'} |")
     if gaps:
         lines += ["", "| host params | pdssm OOD - the better baseline's | larger spread (std) |", "|---|---|---|",
                   *gaps]
@@ -463,11 +471,7 @@ def plot(rows: list[dict], path: Path) -> Path:
                     capsize=3, label=f"+ 4 {kind}")
     ax.set(xscale="log", xlabel="host parameters", ylabel="Box OOD exact match (%)", title="Box OOD (7-26 ops)")
     ax.legend()
-    gap = []
-    for p in (p for p in sizes if all((p, k) in g for k in KINDS)):
-        ours = mean_std(g[(p, "pdssm")]["as trained"], "ood")
-        better = max((mean_std(g[(p, k)]["as trained"], "ood") for k in BASELINES), key=lambda v: v[0])
-        gap.append((p, ours[0] - better[0], max(ours[1], better[1])))
+    gap = [(p, v[0], v[1]) for p in sizes if (v := ood_gap(g, p))]
     gap_ax.errorbar([p for p, _, _ in gap], [v for _, v, _ in gap], yerr=[e for _, _, e in gap], marker="o",
                     capsize=3, color="black")
     gap_ax.axhline(0, color="grey", lw=0.8)
