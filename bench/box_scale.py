@@ -47,9 +47,12 @@ SCALES = {
     # 256 documents, every held-out restatement right after 870 steps (6 minutes); fine-tuning runs of 600 x 64 took
     # ~90 s of the GPU each (6 side by side: 610-650 s; 9 side by side ran out of memory, ~15 GiB each), so the
     # runs here take the same 38,400 examples in 150 steps of 256, two side by side, without CUDA graphs (a step of
-    # ~28k tokens keeps the GPU busy without them, and their pools would take ~4 x 15 GiB a run).
+    # ~28k tokens keeps the GPU busy without them, and their pools would take ~4 x 15 GiB a run). A run of 256 takes
+    # 52-54 GiB at its peak (pdssm 52.2, mamba2 53.5, deltanet 53.4; H200, 4-step runs alone): two fit, three do not.
+    # The whole run ends within one lease of 30 device minutes: ~1.5 to start the machine, 23.5 here, and the last
+    # pair of runs past the deadline (~3).
     "128m": dict(hidden=512, pattern="MMMMM*MMMM" * 4, heads=8, kv_heads=2, mamba_head=64, mamba_state=128,
-                 mlp=1024, host_sequences=100_000, host_batch=256, host_lr=5e-4, host_minutes=7.0, minutes=24.0,
+                 mlp=1024, host_sequences=100_000, host_batch=256, host_lr=5e-4, host_minutes=6.5, minutes=23.5,
                  finetune_minutes=15.0, parallel=2, recipe=RECIPE, steps=150, batch=256, cuda_graphs=False,
                  sequences=1000, max_eval_examples=4000, eval_batch=256, test_max_ops=26, seeds=3),
     # The shipped host and the CPU main job's settings (llm_surgery.train's defaults), two runs side by side.
@@ -217,15 +220,21 @@ class Job:
 
 
 def smoke(args, spec: dict, work: Path) -> None:
-    """Before the pretraining: a few steps of every kind on the random-weight host, side by side, so that a run
-    that cannot start fails in a minute, not after the pretraining (and the kernels are compiled once, here)."""
+    """Before the pretraining: a few steps of every kind on the random-weight host, at the fine-tuning's batch and
+    at most `parallel` a GPU side by side as the fine-tuning runs them, so that a run that cannot start (or does not
+    fit beside another) fails in a minute, not after the pretraining; the kernels are compiled once, here."""
     small = {**spec, "steps": 4, "max_eval_examples": 70}
     jobs = [Job("finetune-one", k, LR_GRID[k][0], 0, work / f"smoke-{k}", "smoke",
                 trainer_settings(args, small, str(work / "host_init"), k, LR_GRID[k][0], 0, work / f"smoke-{k}"))
             for k in args.kinds]
-    for k, job in enumerate(jobs):
-        job.start(args, k % torch.cuda.device_count() if args.device == "cuda" else None)
-    failed = [job for job in jobs if job.proc.wait() != 0]
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    width = spec["parallel"] * max(1, gpus)
+    for first in range(0, len(jobs), width):
+        for k, job in enumerate(jobs[first:first + width]):
+            job.start(args, k % gpus if gpus else None)
+        for job in jobs[first:first + width]:
+            job.proc.wait()
+    failed = [job for job in jobs if job.proc.returncode != 0]
     for job in failed:
         log(f"FAILED smoke run {job.name}:\n{(job.dir / 'finetune-one.log').read_text()[-3000:]}")
     if failed:
