@@ -421,6 +421,33 @@ def test_deltanet_checkpoint_with_the_old_projection_name_loads(host_dirs, tmp_p
         assert torch.equal(fresh(ids()).logits, model(ids()).logits)
 
 
+def test_format_1_checkpoint_loads_and_keeps_the_heads_it_was_built_with(host_dirs, tmp_path):
+    """Format 1 took sqrt(D) power-of-two pdssm heads at every width; from width 4097 on the default now gives more,
+    narrower heads (`default_num_heads`). A format-1 checkpoint still loads as built: at the tiny width unchanged,
+    and at Nemotron-H 9B's 4480 its layers name the 64 heads of 70 it was built with."""
+    from llm_surgery.insert import read_inserted_config
+    from llm_surgery.layers.flash_pdssm import FlashPDSSM
+
+    model = insert_layers(load_host(host_dirs, "granite"), "pdssm", 1)
+    perturb(model)
+    save_inserted(model, tmp_path / "v2")
+    assert json.loads((tmp_path / "v2" / "inserted.json").read_text())["format_version"] == 2
+    v1 = _rewrite(tmp_path / "v2", tmp_path / "v1", lambda m: m.update(format_version=1))
+    fresh = load_inserted(load_host(host_dirs, "granite"), v1)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids()).logits, model(ids()).logits)
+
+    wide = _rewrite(tmp_path / "v2", tmp_path / "v1_4480", lambda m: (m.update(format_version=1),
+                                                                       m["host"].update(hidden_size=4480)))
+    options = read_inserted_config(wide)["layers"][0].options
+    with torch.device("meta"):
+        assert (FlashPDSSM(4480, **options).num_heads, FlashPDSSM(4480).num_heads) == (64, 70)
+    (wide / "inserted.json").write_text((wide / "inserted.json").read_text().replace('"format_version": 1',
+                                                                                       '"format_version": 3'))
+    with pytest.raises(ValueError, match="format_version 3 is not 1 or 2"):
+        read_inserted_config(wide)
+
+
 def test_mixed_kinds_roundtrip_into_bf16_host(host_dirs, tmp_path):
     model = load_host(host_dirs, "nemotron")
     insert_layers(model, ["pdssm", "mamba2"], 2)

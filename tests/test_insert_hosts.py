@@ -51,15 +51,17 @@ def test_report_table():
 
 
 def test_report_marks_pdssm_heads_the_fused_op_does_not_serve():
-    """Nemotron-H 9B's default pdssm heads (64 x 70) are wider than the fused op's limit: the report says the torch
-    path, and the layer itself refuses backend='kernel' at those sizes; 64-wide heads are served."""
+    """Nemotron-H 9B's width 4480 takes 70 pdssm heads of 64 by default (`default_num_heads`), which the fused op
+    serves; the paper's 64 heads of 70 it does not: the report says the torch path there, and the layer itself
+    refuses backend='kernel' at that size."""
     from llm_surgery.insert.report import heads_cell
     from llm_surgery.layers.flash_pdssm import FlashPDSSM
 
     heads, state, width = parameter_rows(4, hosts=["nemotron-nano-9b-v2"])[0]["pdssm_heads"]
-    assert (heads, state, width) == (64, 70, 70) and heads_cell(heads, state, width) == "64 x 70 (torch path)"
-    with torch.device("meta"), pytest.raises(ValueError, match="serves heads up to state_size and head_dim 64"):
-        FlashPDSSM(4480, backend="kernel")
+    assert (heads, state, width) == (70, 64, 64) and heads_cell(heads, state, width) == "70 x 64"
     with torch.device("meta"):
-        served = FlashPDSSM(4480, num_heads=70, backend="kernel")
-    assert (served.state_size, served.head_dim) == (64, 64) and heads_cell(70, 64, 64) == "70 x 64"
+        served = FlashPDSSM(4480, backend="kernel")
+        assert (served.num_heads, served.state_size, served.head_dim) == (70, 64, 64)
+        with pytest.raises(ValueError, match="serves heads up to state_size and head_dim 64"):
+            FlashPDSSM(4480, num_heads=64, backend="kernel")
+    assert heads_cell(64, 70, 70) == "64 x 70 (torch path)"

@@ -23,7 +23,7 @@ WEIGHTS_FILE = "inserted.safetensors"
 TRAINER_FILE = "model.safetensors"   # the same tensors under the model's own names: what Trainer's resume reads
 HOST_DIR = "host"                    # save_pretrained(..., host_weights=True): the host's own save_pretrained
 FORMAT = "llm_surgery.inserted"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: pdssm's default heads fit the fused op (`FlashPDSSM.default_num_heads`); 1 is read too
 
 
 def save_inserted(model, directory, full_state_dict: dict | None = None) -> Path:
@@ -85,14 +85,29 @@ def read_inserted_config(directory) -> dict:
         config = json.loads(path.read_text())
         if config.get("format") != FORMAT:
             raise ValueError(f"'format' is {config.get('format')!r}, expected {FORMAT!r}")
-        if config.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format_version {config.get('format_version')!r} is not {FORMAT_VERSION}")
-        layers = [LayerSpec(d["kind"], int(d["attention_position"]), int(d["layer_idx"]), dict(d["options"]))
-                  for d in config["layers"]]
+        version = config.get("format_version")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"format_version {version!r} is not 1 or {FORMAT_VERSION}")
         host = dict(config["host"])
+        layers = [LayerSpec(d["kind"], int(d["attention_position"]), int(d["layer_idx"]),
+                            _options_as_built(d["kind"], dict(d["options"]), int(host["hidden_size"]), version))
+                  for d in config["layers"]]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"corrupt inserted-layer config {path}: {exc}") from exc
     return {**config, "host": host, "layers": layers}
+
+
+def _options_as_built(kind: str, options: dict, hidden_size: int, version: int) -> dict:
+    """A layer's saved options, naming the heads a format-1 pdssm layer was built with where today's default differs:
+    format 1 always took `sqrt_heads`, also where those heads were wider than the fused op serves."""
+    if version != 1 or kind != "pdssm" or "num_heads" in options or "head_dim" in options:
+        return options
+    from ..layers.flash_pdssm import default_num_heads, sqrt_heads
+
+    built = sqrt_heads(hidden_size)
+    if built == default_num_heads(hidden_size, int(options.get("expand", 1)) * hidden_size):
+        return options
+    return {**options, "num_heads": built}
 
 
 def load_inserted(model, directory):
