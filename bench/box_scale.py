@@ -196,9 +196,9 @@ class Job:
     and with `host_alone` the host without the layers)."""
 
     def __init__(self, what: str, kind: str, lr: float, seed: int, run_dir: Path, stage: str, settings=None,
-                 host_alone: bool = False):
+                 host_alone: bool = False, retry: bool = False):
         self.what, self.kind, self.lr, self.seed, self.dir, self.stage = what, kind, lr, seed, run_dir, stage
-        self.settings, self.host_alone, self.proc, self.t0 = settings, host_alone, None, None
+        self.settings, self.host_alone, self.retry, self.proc, self.t0 = settings, host_alone, retry, None, None
 
     @property
     def name(self) -> str:
@@ -354,7 +354,11 @@ def collect(job: Job, write, chosen) -> list[Job]:
     if job.proc.returncode != 0:
         log(f"FAILED {job.name} (exit {job.proc.returncode}) after {seconds:.0f} s:\n"
             + (job.dir / f"{job.what}.log").read_text()[-2000:])
-        return chosen(job.kind, job.lr, None) if job.what == "finetune-one" and job.stage == "sweep" else []
+        if job.what == "finetune-one" and job.stage == "sweep":
+            return chosen(job.kind, job.lr, None)
+        if job.stage == "seeds" and not job.retry:  # a seed is what the study needs: once more (another partner)
+            return [Job(job.what, job.kind, job.lr, job.seed, job.dir, job.stage, job.settings, job.host_alone, True)]
+        return []
     if job.what == "ablate":
         for name, test in json.loads((job.dir / "ablation.json").read_text()).items():
             write(row(test, eval=name, **(meta if name == "tokens alone" else {**meta, "kind": "host"})))

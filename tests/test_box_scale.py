@@ -97,6 +97,27 @@ def test_table_takes_each_kind_at_its_best_rate_and_gives_the_gap_to_the_better_
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_failed_seed_run_is_started_once_more_and_a_failed_sweep_point_counts_as_dropped(tmp_path):
+    """A seed (or its ablation) that fails gets one more start; a second failure, or a failed sweep point, none."""
+    class Done:
+        returncode = 1
+
+    def failed(stage, what="finetune-one", retry=False):
+        job = box_scale.Job(what, "pdssm", 3e-4, 1, tmp_path, stage, {"lr": 3e-4}, retry=retry)
+        (tmp_path / f"{what}.log").write_text("CUDA out of memory")
+        job.proc, job.t0 = Done(), 0.0
+        return job
+
+    dropped = []
+    again = box_scale.collect(failed("seeds"), None, lambda *a: dropped.append(a) or [])
+    assert [(j.what, j.kind, j.lr, j.seed, j.stage, j.settings, j.retry) for j in again] == \
+        [("finetune-one", "pdssm", 3e-4, 1, "seeds", {"lr": 3e-4}, True)]
+    assert box_scale.collect(failed("seeds", retry=True), None, None) == []
+    assert [j.what for j in box_scale.collect(failed("seeds", "ablate"), None, None)] == ["ablate"]
+    assert box_scale.collect(failed("sweep"), None, lambda *a: dropped.append(a) or []) == []
+    assert dropped == [("pdssm", 3e-4, None)]
+
+
 def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadline():
     assert box_scale.fits(owed=9, elapsed=0, runs_done=0, left=1)  # no pace yet: the first runs start
     assert box_scale.fits(owed=6, elapsed=200, runs_done=2, left=600)  # 6 x 100 s
