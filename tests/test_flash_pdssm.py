@@ -481,3 +481,23 @@ def test_watching_inputs_sees_the_scan_input_changes_nothing_and_is_removed_afte
     with pytest.raises(RuntimeError, match="boom"), layer.watching_inputs(lambda u, mask: None):
         raise RuntimeError("boom")
     assert layer._watchers == []
+
+
+@pytest.mark.parametrize("width,expand,heads", [(768, 1, 32), (2048, 1, 64), (4096, 1, 64), (4160, 1, 65),
+                                                (4480, 1, 70), (5120, 1, 80), (8192, 1, 128), (4096, 2, 128),
+                                                (4100, 1, 64)])
+def test_default_heads_are_the_papers_unless_wider_than_the_fused_op_serves(width, expand, heads):
+    """~sqrt(D) power-of-two heads while they are at most MAX_HEAD_SIZE wide; wider, the fewest heads that divide the
+    width and fit (4100 has none at 64 heads: the paper's count stays and the constructor says it does not divide)."""
+    from llm_surgery.layers.flash_pdssm import default_num_heads, sqrt_heads
+    from llm_surgery.layers.flash_pdssm_fused import MAX_HEAD_SIZE
+
+    got = default_num_heads(width, expand * width)
+    assert got == heads
+    if (expand * width) % got == 0:
+        assert (expand * width) // got <= MAX_HEAD_SIZE or got == sqrt_heads(width)
+        with torch.device("meta"):
+            assert FlashPDSSM(width, expand=expand).num_heads == heads
+    else:
+        with torch.device("meta"), pytest.raises(ValueError, match="must be divisible by num_heads=64"):
+            FlashPDSSM(width)
