@@ -85,7 +85,7 @@ def deltanet_heads(width: int, pdssm_options: dict | None) -> int:
     return max(1, round(1 + (target - c1) / (c2 - c1)))
 
 
-def build(kind: str, width: int, pdssm_options: dict | None = None):
+def build(kind: str, width: int, pdssm_options: dict | None = None, dtype=torch.bfloat16):
     """(label, module) for one --kinds entry; pdssm_options: FlashPDSSM options over the registry's defaults."""
     torch.manual_seed(0)
     if kind in ("pdssm", "pdssm-ref", "pdssm-one"):
@@ -127,7 +127,7 @@ def build(kind: str, width: int, pdssm_options: dict | None = None):
         label = f"project block {kind[6:]}"
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    return label, layer.cuda().to(torch.bfloat16).train()
+    return label, layer.cuda().to(dtype).train()
 
 
 @contextlib.contextmanager
@@ -185,10 +185,10 @@ def measure(layer, x, iters: int, warmup: int, back_to_back: bool = False):
             median_ms(fwd, iters, warmup=1, back_to_back=back_to_back), peak)
 
 
-def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
+def decode_ms(kind: str, layer, batch: int, width: int, iters: int, dtype=torch.bfloat16):
     """One token for a batch, from a state after an 8-token prefill, through the layer's own cached path."""
-    x = torch.randn(batch, 8, width, device="cuda", dtype=torch.bfloat16)
-    tok = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(batch, 8, width, device="cuda", dtype=dtype)
+    tok = torch.randn(batch, width, device="cuda", dtype=dtype)
     with torch.no_grad():
         if kind.startswith("pdssm"):
             layer.eval()
@@ -212,7 +212,7 @@ def decode_ms(kind: str, layer, batch: int, width: int, iters: int):
             return median_ms(one, iters, warmup=3)
         if kind in ("mamba2", "lib-mamba2"):
             layer.eval()
-            conv, ssm = layer.allocate_inference_cache(batch, 1, dtype=torch.bfloat16)
+            conv, ssm = layer.allocate_inference_cache(batch, 1, dtype=dtype)
             return median_ms(lambda: layer.step(tok.unsqueeze(1), conv, ssm), iters, warmup=3)
     return float("nan")
 
@@ -222,9 +222,9 @@ def profile(kind, args) -> None:
     given)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    label, layer = build(kind, args.width, args.pdssm_options)
+    label, layer = build(kind, args.width, args.pdssm_options, args.dtype)
     B, L = args.batch[0], args.lengths[0]
-    x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(B, L, args.width, device="cuda", dtype=args.dtype, requires_grad=True)
     with one_kernel(kind == "pdssm-one"):
         ms, fwd, peak = measure(layer, x, args.iters, args.warmup)
     print(f"{label}: B={B} L={L} width={args.width}: fwd+bwd {ms:.2f} ms, forward {fwd:.2f} ms, "
@@ -250,6 +250,8 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--kinds", nargs="+", default=["pdssm", "fla-deltanet", "mamba2"])
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the layers' and inputs' dtype (a recipe launched without mixed precision trains float32 layers)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--decode", type=int, default=0, help="batch of the one-token decode timing (0: none)")
@@ -267,6 +269,7 @@ def main():
                     help="no sync between timed calls, as the issues' tables were taken (bench_layers.py): a layer "
                          "whose host work per call is shorter than its GPU work is timed by its GPU work")
     args = ap.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     if args.host:
         args.width = HOST_CONFIGS[args.host]["hidden_size"]
     if args.pdssm_slice_mib:
@@ -288,11 +291,12 @@ def main():
           f"causal-conv1d {'importable' if importlib.util.find_spec('causal_conv1d_cuda') else 'absent'}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, Triton autotuning "
           f"{'cut to the leanest config that runs' if args.quick_autotune else 'full'}, timed "
-          f"{'back to back (no sync between calls)' if args.back_to_back else 'with a sync after each call'}")
+          f"{'back to back (no sync between calls)' if args.back_to_back else 'with a sync after each call'}, "
+          f"{str(args.dtype)[6:]} layers")
     layers = {}
     for kind in args.kinds:
         try:
-            layers[kind] = build(kind, args.width, args.pdssm_options)
+            layers[kind] = build(kind, args.width, args.pdssm_options, args.dtype)
         except Exception as e:  # report, keep measuring the others
             print(f"{kind}: could not build ({type(e).__name__}: {e})")
     print("\n| kind | layer | params |\n|---|---|---|")
@@ -305,7 +309,7 @@ def main():
         for L in args.lengths:
             row = [str(B), str(L)]
             for kind, (label, layer) in layers.items():
-                x = torch.randn(B, L, args.width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                x = torch.randn(B, L, args.width, device="cuda", dtype=args.dtype, requires_grad=True)
                 try:
                     with one_kernel(kind == "pdssm-one"):
                         ms, fwd, peak = measure(layer, x, args.iters, args.warmup, args.back_to_back)
@@ -327,7 +331,7 @@ def main():
         for kind, (label, layer) in layers.items():
             try:
                 with one_kernel(kind == "pdssm-one"):
-                    ms = decode_ms(kind, layer, args.decode, args.width, 50)
+                    ms = decode_ms(kind, layer, args.decode, args.width, 50, args.dtype)
                 print(f"| {kind} | {ms:.3f} ms |", flush=True)
             except Exception as e:
                 print(f"| {kind} | error: {type(e).__name__}: {str(e)[:200]} |")
