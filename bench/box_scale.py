@@ -526,6 +526,13 @@ def stage_summarize(args) -> None:
     rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"box_scale: error: no rows in {', '.join(args.rows)}")
+    runs: dict[int, set] = {}
+    for r in rows:  # a host size's rows are one run's: two hosts or fine-tuning shapes would pool as seeds
+        runs.setdefault(r["host_params"], set()).add((r.get("host"), r.get("steps"), r.get("batch")))
+    mixed = {p: sorted(map(str, v)) for p, v in runs.items() if len(v) > 1}
+    if mixed:
+        raise SystemExit("box_scale: error: rows of one host size come from different runs (host, steps, batch): "
+                         + "; ".join(f"{p:,}: {', '.join(v)}" for p, v in mixed.items()) + "; summarize one run each")
     print(table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

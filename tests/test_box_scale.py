@@ -124,6 +124,17 @@ def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadlin
     assert not box_scale.fits(owed=7, elapsed=200, runs_done=2, left=600)
 
 
+def test_summarize_refuses_rows_of_two_runs_at_one_host_size(tmp_path):
+    """Two runs on hosts of one size (another host, or another fine-tuning shape) would pool as seeds of one."""
+    row = {"host_params": 127_597_760, "host": "124m", "steps": 600, "batch": 64, "kind": "pdssm", "eval": "as trained",
+           "seed": 0, "lr": 3e-4, "iid": 50.0, "ood": 10.0, "whole_state": {"iid": 1.0, "ood": 0.0}, "curve": [1.0]}
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text(json.dumps(row) + "\n")
+    new.write_text(json.dumps({**row, "host": "128m", "steps": 150, "batch": 256}) + "\n")
+    with pytest.raises(SystemExit, match="rows of one host size come from different runs .*127,597,760"):
+        box_scale.main(["summarize", str(old), str(new), "--out", str(tmp_path / "plot.png")])
+
+
 @pytest.mark.parametrize("argv, message", [(["summarize"], "summarize needs rows files"),
                                            (["import-summary", "x.md"], "import-summary needs --host-params"),
                                            (["summarize", "rows.jsonl"], "summarize needs --out"),
