@@ -325,8 +325,7 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
             pending.sort(key=lambda j: order[j.what if j.what == "ablate" else j.stage])
             job = pending.pop(0)
             runs_done = sum(j.what == "finetune-one" for j in finished)
-            owed = sum(spec["seeds"] - 1 - sum(j.kind == k and j.stage == "seeds" for j in [*running, *finished])
-                       for k in args.kinds) + sum(j.what == "finetune-one" for j in running) + 1
+            owed = owed_runs(args.kinds, spec["seeds"], running, finished) + 1
             if job.stage == "sweep" and not fits(owed, time.time() - t_start, runs_done, deadline - time.time()):
                 log(f"dropped {job.name}: {owed} runs still owed at the pace so far would pass the deadline "
                     f"({deadline - time.time():.0f} s away)")
@@ -339,6 +338,15 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
             running.append(job)
             log(f"started {job.name}")
         time.sleep(0.5)
+
+
+def owed_runs(kinds, seeds: int, running: list[Job], finished: list[Job]) -> int:
+    """Trainer runs still to end: the running ones, and each kind's seed runs not yet started or failed (an
+    ablation is no seed run; a failed seed starts again)."""
+    def started(k):
+        return sum(j.what == "finetune-one" and j.kind == k and j.stage == "seeds" and j.proc.returncode in (None, 0)
+                   for j in [*running, *finished])
+    return sum(max(0, seeds - 1 - started(k)) for k in kinds) + sum(j.what == "finetune-one" for j in running)
 
 
 def fits(owed: int, elapsed: float, runs_done: int, left: float) -> bool:

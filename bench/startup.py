@@ -149,7 +149,8 @@ def main(argv=None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     header = ["# Start-up: time to the first optimizer step", "",
               "    " + " ".join([args.command, "--kind", "K", "--max-steps", str(args.max_steps)] + args.extra),
-              "", json.dumps(versions_in_child()), ""]
+              "", json.dumps({**versions_in_child(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}),
+              ""]
     rows, report, caches = [], [], {}
     for i, spec in enumerate(args.runs):
         kind, _, run = spec.partition(":")

@@ -118,6 +118,24 @@ def test_a_failed_seed_run_is_started_once_more_and_a_failed_sweep_point_counts_
     assert dropped == [("pdssm", 3e-4, None)]
 
 
+def test_owed_runs_count_seed_runs_not_ablations_and_not_failed_ones(tmp_path):
+    class Proc:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def job(what, kind, stage, rc):
+        j = box_scale.Job(what, kind, 3e-4, 1, tmp_path, stage)
+        j.proc = Proc(rc)
+        return j
+
+    running = [job("finetune-one", "pdssm", "seeds", None), job("finetune-one", "mamba2", "sweep", None),
+               job("ablate", "pdssm", "seeds", None)]
+    finished = [job("finetune-one", "pdssm", "seeds", 0), job("finetune-one", "mamba2", "seeds", 1),
+                job("ablate", "mamba2", "seeds", 0)]
+    # pdssm: both seeds started; mamba2: one failed, so both still owed; deltanet: both owed; plus 2 running runs
+    assert box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) == 0 + 2 + 2 + 2
+
+
 def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadline():
     assert box_scale.fits(owed=9, elapsed=0, runs_done=0, left=1)  # no pace yet: the first runs start
     assert box_scale.fits(owed=6, elapsed=200, runs_done=2, left=600)  # 6 x 100 s
