@@ -489,13 +489,13 @@ def test_watching_inputs_sees_the_scan_input_changes_nothing_and_is_removed_afte
 def test_default_heads_are_the_papers_unless_wider_than_the_fused_op_serves(width, expand, heads):
     """~sqrt(D) power-of-two heads while they are at most MAX_HEAD_SIZE wide; wider, the fewest heads that divide the
     width and fit (4100 has none at 64 heads: the paper's count stays and the constructor says it does not divide)."""
-    from llm_surgery.layers.flash_pdssm import default_num_heads, sqrt_heads
+    from llm_surgery.layers.flash_pdssm import default_num_heads, pow2_sqrt
     from llm_surgery.layers.flash_pdssm_fused import MAX_HEAD_SIZE
 
     got = default_num_heads(width, expand * width)
     assert got == heads
     if (expand * width) % got == 0:
-        assert (expand * width) // got <= MAX_HEAD_SIZE or got == sqrt_heads(width)
+        assert (expand * width) // got <= MAX_HEAD_SIZE or got == pow2_sqrt(width)
         with torch.device("meta"):
             assert FlashPDSSM(width, expand=expand).num_heads == heads
     else:

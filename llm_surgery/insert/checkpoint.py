@@ -99,12 +99,12 @@ def read_inserted_config(directory) -> dict:
 
 def _options_as_built(kind: str, options: dict, hidden_size: int, version: int) -> dict:
     """A layer's saved options, naming the heads a format-1 pdssm layer was built with where today's default differs:
-    format 1 always took `sqrt_heads`, also where those heads were wider than the fused op serves."""
+    format 1 always took `pow2_sqrt` heads, also where those heads were wider than the fused op serves."""
     if version != 1 or kind != "pdssm" or "num_heads" in options or "head_dim" in options:
         return options
-    from ..layers.flash_pdssm import default_num_heads, sqrt_heads
+    from ..layers.flash_pdssm import default_num_heads, pow2_sqrt
 
-    built = sqrt_heads(hidden_size)
+    built = pow2_sqrt(hidden_size)
     if built == default_num_heads(hidden_size, int(options.get("expand", 1)) * hidden_size):
         return options
     return {**options, "num_heads": built}

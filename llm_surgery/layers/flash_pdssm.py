@@ -31,21 +31,17 @@ from .common import GatedRMSNorm, apply_padding_mask, causal_conv1d_silu, check_
 BACKENDS = ("auto", "torch", "kernel")
 
 
-def _pow2_near(x: float) -> int:
-    return 2 ** max(0, round(math.log2(max(1.0, x))))
-
-
-def sqrt_heads(hidden_size: int) -> int:
-    """The paper's head count (sec. 3.2): about sqrt(D), a power of two."""
-    return _pow2_near(math.sqrt(hidden_size))
+def pow2_sqrt(hidden_size: int) -> int:
+    """About sqrt(D), a power of two: the paper's head count and dictionary size (sec. 3.2)."""
+    return 2 ** max(0, round(math.log2(max(1.0, math.sqrt(hidden_size)))))
 
 
 def default_num_heads(hidden_size: int, d_inner: int) -> int:
-    """`sqrt_heads`, or where those heads are wider than the fused op serves (`MAX_HEAD_SIZE`; at expand 1 only
+    """`pow2_sqrt` heads, or where those are wider than the fused op serves (`MAX_HEAD_SIZE`; at expand 1 only
     above width 4096) the fewest heads at least as many whose width divides `d_inner` and fits: Nemotron-H 9B's
     4480 takes 70 heads of 64, not 64 of 70, at the same parameters within 0.1%, and its layer's training step is
     1.4x (B=1) to 6.2x (B=8) faster on an H200 (docs/bench/layer.md)."""
-    heads = sqrt_heads(hidden_size)
+    heads = pow2_sqrt(hidden_size)
     if d_inner % heads or fused.fits(d_inner // heads, d_inner // heads):
         return heads
     return next((h for h in range(heads, d_inner + 1) if d_inner % h == 0 and fused.fits(d_inner // h, d_inner // h)),
@@ -117,7 +113,7 @@ class FlashPDSSM(nn.Module):
             raise ValueError(f"FlashPDSSM: expand*hidden_size={d_inner} must be divisible by num_heads={num_heads}")
         head_dim = d_inner // num_heads
         state_size = state_size or head_dim
-        dict_size = dict_size or _pow2_near(math.sqrt(hidden_size))
+        dict_size = dict_size or pow2_sqrt(hidden_size)
         if state_size > 1024:
             raise ValueError(f"FlashPDSSM: state_size must be <= 1024 (int16 kernels), got {state_size}")
         if backend not in BACKENDS:
