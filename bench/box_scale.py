@@ -210,6 +210,9 @@ class Job:
             (self.dir / "settings.json").write_text(json.dumps(self.settings))
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+        # two runs share a GPU: segments one allocator caches but cannot reuse leave the other short (a run of the
+        # 128m lease ran out of memory at 67 GiB beside one at 71 GiB of 140)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         cmd = [sys.executable, __file__, self.what, str(self.dir), "--device", args.device,
@@ -324,9 +327,8 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
         while pending and len(running) < spec["parallel"] * max(1, gpus):
             pending.sort(key=lambda j: order[j.what if j.what == "ablate" else j.stage])
             job = pending.pop(0)
-            runs_done = sum(j.what == "finetune-one" for j in finished)
             owed = owed_runs(args.kinds, spec["seeds"], running, finished) + 1
-            if job.stage == "sweep" and not fits(owed, time.time() - t_start, runs_done, deadline - time.time()):
+            if drops(job, owed, running, finished, time.time() - t_start, deadline - time.time()):
                 log(f"dropped {job.name}: {owed} runs still owed at the pace so far would pass the deadline "
                     f"({deadline - time.time():.0f} s away)")
                 pending += chosen(job.kind, job.lr, None)
@@ -340,13 +342,29 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
         time.sleep(0.5)
 
 
+def started(kind: str, stage: str, running: list[Job], finished: list[Job]) -> int:
+    """The kind's trainer runs of `stage` running or ended well."""
+    return sum(j.what == "finetune-one" and j.kind == kind and j.stage == stage and j.proc.returncode in (None, 0)
+               for j in [*running, *finished])
+
+
+def swept(kind: str, running: list[Job], finished: list[Job]) -> bool:
+    """Whether a sweep point of the kind runs or ran: its seed 0. Until then no point of its may be dropped."""
+    return started(kind, "sweep", running, finished) > 0
+
+
 def owed_runs(kinds, seeds: int, running: list[Job], finished: list[Job]) -> int:
-    """Trainer runs still to end: the running ones, and each kind's seed runs not yet started or failed (an
-    ablation is no seed run; a failed seed starts again)."""
-    def started(k):
-        return sum(j.what == "finetune-one" and j.kind == k and j.stage == "seeds" and j.proc.returncode in (None, 0)
-                   for j in [*running, *finished])
-    return sum(max(0, seeds - 1 - started(k)) for k in kinds) + sum(j.what == "finetune-one" for j in running)
+    """Trainer runs still to end: the running ones, and each kind's seed runs not yet started or failed, its seed 0
+    (a first sweep point) included (an ablation is no seed run; a failed seed starts again)."""
+    return (sum(max(0, seeds - swept(k, running, finished) - started(k, "seeds", running, finished)) for k in kinds)
+            + sum(j.what == "finetune-one" for j in running))
+
+
+def drops(job: Job, owed: int, running: list[Job], finished: list[Job], elapsed: float, left: float) -> bool:
+    """Whether the pace rule drops `job`: a sweep point, not its kind's first (that is its seed 0), when `owed` runs
+    would not end within `left` seconds at the pace so far."""
+    runs_done = sum(j.what == "finetune-one" for j in finished)
+    return job.stage == "sweep" and swept(job.kind, running, finished) and not fits(owed, elapsed, runs_done, left)
 
 
 def fits(owed: int, elapsed: float, runs_done: int, left: float) -> bool:

@@ -132,14 +132,37 @@ def test_owed_runs_count_seed_runs_not_ablations_and_not_failed_ones(tmp_path):
                job("ablate", "pdssm", "seeds", None)]
     finished = [job("finetune-one", "pdssm", "seeds", 0), job("finetune-one", "mamba2", "seeds", 1),
                 job("ablate", "mamba2", "seeds", 0)]
-    # pdssm: both seeds started; mamba2: one failed, so both still owed; deltanet: both owed; plus 2 running runs
-    assert box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) == 0 + 2 + 2 + 2
+    # pdssm: one seed started but no sweep point (its seed 0); mamba2: swept, one seed failed, so both seeds still
+    # owed; deltanet: nothing started, all three owed; plus 2 running runs
+    assert box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) == 1 + 2 + 3 + 2
+    assert box_scale.swept("mamba2", running, finished) and not box_scale.swept("deltanet", running, finished)
 
 
 def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadline():
     assert box_scale.fits(owed=9, elapsed=0, runs_done=0, left=1)  # no pace yet: the first runs start
     assert box_scale.fits(owed=6, elapsed=200, runs_done=2, left=600)  # 6 x 100 s
     assert not box_scale.fits(owed=7, elapsed=200, runs_done=2, left=600)
+
+
+def test_a_kinds_first_sweep_point_is_never_dropped_its_later_ones_are(tmp_path):
+    """Two runs side by side, the first has ended, the pace says the owed runs pass the deadline: the third kind's
+    first point (its seed 0) still starts; another rate of a kind already swept does not."""
+    class Proc:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def job(kind, lr, rc=None):
+        j = box_scale.Job("finetune-one", kind, lr, 0, tmp_path, "sweep")
+        j.proc = Proc(rc)
+        return j
+
+    finished, running = [job("pdssm", 3e-4, 0)], [job("mamba2", 1e-3)]
+    owed = box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) + 1
+    assert owed == 2 + 2 + 3 + 1 + 1
+    pace = dict(elapsed=216, left=689)  # 9 runs x 216 s > 689 s
+    assert not box_scale.drops(job("deltanet", 1e-3), owed, running, finished, **pace)
+    assert box_scale.drops(job("pdssm", 1e-3), owed, running, finished, **pace)
+    assert not box_scale.drops(job("pdssm", 1e-3), owed, running, finished, elapsed=216, left=9 * 216)
 
 
 def test_summarize_refuses_rows_of_two_runs_at_one_host_size(tmp_path):
