@@ -86,6 +86,16 @@ def test_trainer_and_recipe_help_show_every_flag_with_its_default():
     assert _help_blocks(build_parser())["--model"].endswith("(default: none)")
 
 
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["--lr", "-1"], 2)])
+def test_help_and_a_bad_flag_answer_before_the_training_stack_is_imported(argv, status):
+    """transformers, Accelerate and PEFT take seconds to import: the parse comes first."""
+    code = ("import sys\nfrom llm_surgery.train import main\ntry:\n    main(sys.argv[1:], prog='x')\n"
+            "except SystemExit as e:\n    print('exit', e.code, *sorted(m for m in ('transformers', 'accelerate', "
+            "'peft', 'llm_surgery.train.trainer') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == f"exit {status}", proc.stdout[-500:] + proc.stderr[-500:]
+
+
 def test_bench_help_shows_its_defaults_and_the_gpu_script_its_protocol_choices_once(monkeypatch, capsys):
     from llm_surgery.bench.state_tracking.__main__ import parser
 

@@ -882,11 +882,11 @@ def test_final_and_results_are_replaced_atomically(tmp_path, monkeypatch):
     # and step 4's checkpoint, which would hold its update, is not written
     (["--log-every", "4", "--save-every", "2"], 4, ["step-00000002"]),
 ])
-def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch, flags,
-                                                                        stop, kept):
+def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, tiny_host_dir, monkeypatch, capsys,
+                                                                        flags, stop, kept):
     from safetensors.torch import load_file
 
-    from llm_surgery.train import run, trainer
+    from llm_surgery.train import main, run, trainer
 
     real, calls = trainer.completion_loss_inputs, []
 
@@ -901,6 +901,12 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
         run(_run_args(tiny_host_dir, out, "--max-steps", "6", *flags))
     assert len(calls) == stop
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == kept
+    if not flags:  # the command line: one line, exit status 1 (a usage error's is 2)
+        calls.clear()
+        with pytest.raises(SystemExit, match="^1$"):
+            main(_run_args(tiny_host_dir, tmp_path / "again", "--max-steps", "6"), prog="x")
+        err = capsys.readouterr().err.splitlines()  # (transformers' loading bar before it)
+        assert err[-1].startswith("x: error: step 3: ") and sum("error:" in line for line in err) == 1, err
     for ckpt in list_checkpoints(out / "checkpoints"):
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "trainable.safetensors").values())
     assert not (out / "final").exists() and not (out / "results.json").exists()

@@ -11,11 +11,13 @@ import sys
 
 
 def run(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> dict:
-    """Parse the command line (recipe `defaults` first) and train; returns the results dict."""
+    """Parse the command line (recipe `defaults` first) and train; returns the results dict. The trainer (and with
+    it transformers, Accelerate, PEFT) is imported after the parse, so `--help` and a bad flag answer in a second."""
     from .config import parse_config
-    from .trainer import train
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv, defaults=defaults, prog=prog)
+    from .trainer import train
+
     return train(cfg)
 
 
@@ -24,16 +26,26 @@ def main(argv: list[str] | None = None, defaults: dict | None = None, prog: str 
     from .checkpoint import CheckpointError
     from .config import UsageError
     from .messages import show_messages
-    from .trainer import TrainingDiverged
 
     show_messages()
     try:
         run(argv, defaults, prog)
-    except (UsageError, CheckpointError, TrainingDiverged) as e:
-        if os.environ.get("RANK", "0") == "0":  # every process of a launch raises the same error: say it once
-            name = prog or os.path.basename(sys.argv[0])
-            print(f"{name}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1 if isinstance(e, TrainingDiverged) else 2)
+    except (UsageError, CheckpointError) as e:
+        fail(e, prog, 2)
+    except RuntimeError as e:
+        from .trainer import TrainingDiverged  # imported by then: only training raises it
+
+        if not isinstance(e, TrainingDiverged):
+            raise
+        fail(e, prog, 1)
+
+
+def fail(e: Exception, prog: str | None, status: int) -> None:
+    """One line, `<prog>: error: ...`, from rank 0 alone (every process of a launch raises the same error)."""
+    if os.environ.get("RANK", "0") == "0":
+        name = prog or os.path.basename(sys.argv[0])
+        print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
