@@ -163,7 +163,8 @@ def main(argv=None) -> None:
         res = run_once(kind, caches[kind], root / f"{kind}_run_{i}", args, prof)
         res["run"] = run
         rows.append(res)
-        print(f"{kind} {run}: first step at {res['first_step_s']} s (graphs {res['graphs_s']} s)", flush=True)
+        graphs = "no CUDA graphs" if res["graphs_s"] is None else f"graphs {res['graphs_s']} s"
+        print(f"{kind} {run}: first step at {res['first_step_s']} s ({graphs})", flush=True)
         report += [f"## {kind}, {run} caches: first optimizer step at {res['first_step_s']} s", "", "```"]
         report += res["log"][-args.log_lines:] if args.log_lines else res["log"]
         report += ["```", ""]
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
         if prof is not None:
             report += ["profile:", "", "```"] + summarize_profile(prof) + ["```", ""]
         table = ["| kind | caches | first optimizer step (s) | graphs prepared in (s) |", "|---|---|---|---|"]
-        table += [f"| {r['kind']} | {r['run']} | {r['first_step_s']} | {r['graphs_s']} |" for r in rows]
+        table += [f"| {r['kind']} | {r['run']} | {r['first_step_s']} | {'-' if r['graphs_s'] is None else r['graphs_s']} |"
+                  for r in rows]
         if args.out:
             args.out.write_text("\n".join(header + table + [""] + report) + "\n")
     print("\n".join(table))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -642,6 +643,19 @@ def test_only_trained_tensors_are_upcast_under_mixed_precision(tiny_host_dir):
     inserted = {id(p) for block in inserted_layers(model).values() for p in block.parameters()}
     for name, p in model.named_parameters():
         assert p.dtype == (torch.float32 if id(p) in inserted else torch.bfloat16), name
+
+
+def test_startup_script_times_the_first_step_of_fresh_and_warm_runs(tmp_path):
+    """bench/startup.py on the CPU main job: each run stops at its first step's record, and the report holds a row
+    per run in order, with no CUDA graphs to prepare there."""
+    out = tmp_path / "startup.md"
+    proc = subprocess.run([sys.executable, "bench/startup.py", "--command", f"{sys.executable} -m llm_surgery.train",
+                           "--runs", "pdssm:fresh", "pdssm:warm", "--work-dir", str(tmp_path / "work"),
+                           "--out", str(out)], env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = re.findall(r"^\| pdssm \| (fresh|warm) \| ([0-9.]+) \| - \|$", out.read_text(), flags=re.M)
+    assert [r[0] for r in rows] == ["fresh", "warm"] and all(0 < float(t) < 120 for _, t in rows), out.read_text()
 
 
 @pytest.mark.slow
