@@ -116,6 +116,43 @@ def test_trainer_checkpoints_resume_and_load_inserted_restores_each(host, tmp_pa
     assert all(torch.allclose(got[k], trained[k], atol=1e-6) for k in trained)  # as the uninterrupted run
 
 
+def test_peft_lora_beside_the_layers_trains_their_copies_and_save_inserted_writes_them(host, tmp_path):
+    """Insert, then peft's get_peft_model with the blocks in modules_to_save, under Trainer: LoRA and the blocks'
+    copies train (the originals stay); inserted_layers, set_tau and save_inserted reach the copies, and load_inserted
+    restores them into a fresh host; Trainer's checkpoint (peft's own save) loads back with PeftModel.from_pretrained;
+    inserting into the peft model is refused."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from llm_surgery.insert import save_inserted, set_tau
+
+    tok = word_tokenizer()
+    tok.pad_token = tok.eos_token
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["pre_ssm"])
+    model = get_peft_model(surgered(host), lora)
+    host_logits = AutoModelForCausalLM.from_pretrained(host)(ids()).logits
+    start = layer_tensors(model)
+    _trainer(model, tok, tmp_path / "out", max_steps=2).train()
+    model.eval()
+    trained = layer_tensors(model)
+    assert not same(start, trained)
+    assert any(v.abs().sum() > 0 for k, v in model.state_dict().items() if "lora_B" in k)
+    with model.disable_adapter():  # LoRA off and the original blocks, untrained (out_proj 0): the host
+        assert same(layer_tensors(model), start)
+        assert torch.allclose(model(ids()).logits, host_logits, atol=1e-6)
+    assert set_tau(model, 0.5) == 2 and all(b.mixer.tau == 0.5 for b in inserted_layers(model).values())
+
+    save_inserted(model, tmp_path / "layers")
+    assert same(layer_tensors(load_inserted(AutoModelForCausalLM.from_pretrained(host), tmp_path / "layers")), trained)
+    again = PeftModel.from_pretrained(surgered(host, seed=1), tmp_path / "out" / "checkpoint-2")
+    assert same(layer_tensors(again), trained)
+    assert torch.allclose(again(ids()).logits, model(ids()).logits, atol=1e-6)
+
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(ValueError, match="insert the layers before peft's get_peft_model"):
+        insert_layers(model, "mamba2", 1)
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
 @pytest.mark.slow
 def test_trl_sft_trainer_trains_and_checkpoints_the_layers(host, tmp_path):
     trl = pytest.importorskip("trl", reason="TRL is the optional extra llm-surgery[trl]")

@@ -83,8 +83,27 @@ def _layer_types(config, n_layers: int) -> list[str] | None:
     return list(types) if isinstance(types, (list, tuple)) and len(types) == n_layers else None
 
 
+def unwrap_peft(model):
+    """A peft `PeftModel`'s transformers model (`get_base_model()`), else `model`: the surgery's functions that read
+    or save the inserted layers take either."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
+def running_block(module) -> torch.nn.Module:
+    """The inserted block that runs: under peft's `modules_to_save` (a wrapper holding the original and one trained
+    copy per adapter) the active adapter's copy, or the original while adapters are off; else the block itself."""
+    copies = getattr(module, "modules_to_save", None)
+    if not isinstance(copies, torch.nn.ModuleDict):
+        return module
+    active = [] if module.disable_adapters else module.active_adapters
+    return copies[active[0]] if active and active[0] in copies else module.original_module
+
+
 def base_model(model) -> torch.nn.Module:
-    """The decoder stack (the model's `base_model`, e.g. `LlamaModel`) of a host, or a clear error."""
+    """The decoder stack (the model's `base_model`, e.g. `LlamaModel`) of a host (or of a peft model's host), or a
+    clear error."""
+    model = unwrap_peft(model)
     row = family(model)
     base = model.base_model
     layers = getattr(base, row.layers, None)

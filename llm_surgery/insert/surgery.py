@@ -28,7 +28,7 @@ from llm_surgery.layers.common import check_mask_values
 
 from . import state
 from .block import InsertedBlock
-from .host import attention_layers, base_model, decoder_layers, dtype_and_device, norm_eps
+from .host import attention_layers, base_model, decoder_layers, dtype_and_device, norm_eps, running_block, unwrap_peft
 
 _ATTR = "_llm_surgery"
 
@@ -126,7 +126,7 @@ def _find_cache(args, kwargs):
 
 
 def _layer_pre_hook(surgery: _Surgery, layer, args, kwargs):
-    block = layer.pre_ssm
+    block = running_block(layer.pre_ssm)  # under peft's modules_to_save: the active copy
     hidden = args[0] if args else kwargs["hidden_states"]
     mask = _recurrent_mask(surgery.mask, hidden.shape[1])
     cache = _find_cache(args, kwargs)
@@ -226,6 +226,9 @@ _MISSING = object()
 def _insert(model, specs: list[LayerSpec], prepare=None):
     """Build every block (and `prepare({layer_idx: block})` them, e.g. load weights), then attach them all; an
     error at any point leaves the model as it was."""
+    if unwrap_peft(model) is not model:
+        raise ValueError("insert the layers before peft's get_peft_model: the surgery freezes every parameter there, "
+                         "adapters included (to train the layers beside LoRA: LoraConfig(modules_to_save=['pre_ssm']))")
     base = base_model(model)
     existing = getattr(base, _ATTR, None)
     if existing is not None:
@@ -322,9 +325,10 @@ def inserted_specs(model) -> list[LayerSpec]:
 
 
 def inserted_layers(model) -> dict[int, InsertedBlock]:
-    """{decoder layer index: inserted block} (empty if nothing was inserted)."""
+    """{decoder layer index: inserted block} (empty if nothing was inserted); under peft's `modules_to_save` the
+    copy that runs and trains (`host.running_block`)."""
     layers = decoder_layers(base_model(model))
-    return {s.layer_idx: layers[s.layer_idx].pre_ssm for s in inserted_specs(model)}
+    return {s.layer_idx: running_block(layers[s.layer_idx].pre_ssm) for s in inserted_specs(model)}
 
 
 def set_tau(model, tau: float) -> int:
