@@ -121,7 +121,7 @@ def test_peft_lora_beside_the_layers_trains_their_copies_and_save_inserted_write
     copies train (the originals stay); inserted_layers, set_tau and save_inserted reach the copies, and load_inserted
     restores them into a fresh host; Trainer's checkpoint (peft's own save) loads back with PeftModel.from_pretrained;
     inserting into the peft model is refused."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 
     from llm_surgery.insert import save_inserted, set_tau
 
@@ -146,6 +146,9 @@ def test_peft_lora_beside_the_layers_trains_their_copies_and_save_inserted_write
     again = PeftModel.from_pretrained(surgered(host, seed=1), tmp_path / "out" / "checkpoint-2")
     assert same(layer_tensors(again), trained)
     assert torch.allclose(again(ids()).logits, model(ids()).logits, atol=1e-6)
+    # as README warns: peft's Auto class rebuilds the host from its path, without the layers
+    dropped = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-2")
+    assert not any(name.endswith("pre_ssm") for name, _ in dropped.named_modules())
 
     flags = [p.requires_grad for p in model.parameters()]
     with pytest.raises(ValueError, match="insert the layers before peft's get_peft_model"):
