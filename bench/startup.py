@@ -172,8 +172,8 @@ def main(argv=None) -> None:
         if prof is not None:
             report += ["profile:", "", "```"] + summarize_profile(prof) + ["```", ""]
         table = ["| kind | caches | first optimizer step (s) | graphs prepared in (s) |", "|---|---|---|---|"]
-        table += [f"| {r['kind']} | {r['run']} | {r['first_step_s']} | {'-' if r['graphs_s'] is None else r['graphs_s']} |"
-                  for r in rows]
+        table += [f"| {r['kind']} | {r['run']} | {r['first_step_s']} | "
+                  f"{'-' if r['graphs_s'] is None else r['graphs_s']} |" for r in rows]
         if args.out:
             args.out.write_text("\n".join(header + table + [""] + report) + "\n")
     print("\n".join(table))

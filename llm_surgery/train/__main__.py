@@ -12,7 +12,7 @@ import sys
 
 def run(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> dict:
     """Parse the command line (recipe `defaults` first) and train; returns the results dict. The trainer (and with
-    it transformers, Accelerate, PEFT) is imported after the parse, so `--help` and a bad flag answer in about two seconds."""
+    it transformers, Accelerate, PEFT) is imported after the parse, so `--help` and a bad flag answer in ~2 s."""
     from .config import parse_config
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv, defaults=defaults, prog=prog)
