@@ -199,12 +199,14 @@ class Job:
                  host_alone: bool = False, retry: bool = False):
         self.what, self.kind, self.lr, self.seed, self.dir, self.stage = what, kind, lr, seed, run_dir, stage
         self.settings, self.host_alone, self.retry, self.proc, self.t0 = settings, host_alone, retry, None, None
+        self.gpu: int | None = None
 
     @property
     def name(self) -> str:
         return f"{self.what} {self.kind} lr {self.lr:g} seed {self.seed}"
 
     def start(self, args, gpu: int | None) -> None:
+        self.gpu = gpu
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.settings is not None:
             (self.dir / "settings.json").write_text(json.dumps(self.settings))
@@ -336,10 +338,19 @@ def finetune_all(args, spec: dict, host_dir: str | None, host: dict, work: Path,
             if time.time() > deadline:
                 log(f"not started (past the deadline): {job.name}")
                 continue
-            job.start(args, (len(running) + len(finished)) % gpus if gpus else None)
+            job.start(args, least_busy_gpu(gpus, running))
             running.append(job)
             log(f"started {job.name}")
         time.sleep(0.5)
+
+
+def least_busy_gpu(gpus: int, running: list[Job]) -> int | None:
+    """The GPU with the fewest running children (the lowest index on a tie; None on the CPU): a count of started
+    jobs modulo the GPUs would put a third run of ~54 GiB on a GPU whose partner ended first."""
+    if not gpus:
+        return None
+    load = [sum(j.gpu == g for j in running) for g in range(gpus)]
+    return load.index(min(load))
 
 
 def started(kind: str, stage: str, running: list[Job], finished: list[Job]) -> int:

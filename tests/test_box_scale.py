@@ -165,6 +165,19 @@ def test_a_kinds_first_sweep_point_is_never_dropped_its_later_ones_are(tmp_path)
     assert not box_scale.drops(job("pdssm", 1e-3), owed, running, finished, elapsed=216, left=9 * 216)
 
 
+def test_a_run_starts_on_the_gpu_with_the_fewest_running(tmp_path):
+    def on(gpu):
+        j = box_scale.Job("finetune-one", "pdssm", 3e-4, 0, tmp_path, "seeds")
+        j.gpu = gpu
+        return j
+
+    assert box_scale.least_busy_gpu(0, [on(None)]) is None
+    assert box_scale.least_busy_gpu(2, []) == 0
+    # GPU 1's first run ended: the next goes there, not to GPU 0 (a count of started runs would say 0)
+    assert box_scale.least_busy_gpu(2, [on(0), on(0), on(1)]) == 1
+    assert box_scale.least_busy_gpu(3, [on(0), on(2)]) == 1
+
+
 def test_summarize_refuses_rows_of_two_runs_at_one_host_size(tmp_path):
     """Two runs on hosts of one size (another host, or another fine-tuning shape) would pool as seeds of one."""
     row = {"host_params": 127_597_760, "host": "124m", "steps": 600, "batch": 64, "kind": "pdssm", "eval": "as trained",
