@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,20 +119,18 @@ def test_a_failed_seed_run_is_started_once_more_and_a_failed_sweep_point_counts_
     assert dropped == [("pdssm", 3e-4, None)]
 
 
-def test_owed_runs_count_seed_runs_not_ablations_and_not_failed_ones(tmp_path):
-    class Proc:
-        def __init__(self, rc):
-            self.returncode = rc
+def _job(what, kind, stage, rc=None, lr=3e-4, gpu=None):
+    """A scheduler's view of a child: its process's return code (None: running) and the GPU it runs on."""
+    j = box_scale.Job(what, kind, lr, 0, Path("unused"), stage)
+    j.proc, j.gpu = SimpleNamespace(returncode=rc), gpu
+    return j
 
-    def job(what, kind, stage, rc):
-        j = box_scale.Job(what, kind, 3e-4, 1, tmp_path, stage)
-        j.proc = Proc(rc)
-        return j
 
-    running = [job("finetune-one", "pdssm", "seeds", None), job("finetune-one", "mamba2", "sweep", None),
-               job("ablate", "pdssm", "seeds", None)]
-    finished = [job("finetune-one", "pdssm", "seeds", 0), job("finetune-one", "mamba2", "seeds", 1),
-                job("ablate", "mamba2", "seeds", 0)]
+def test_owed_runs_count_seed_runs_not_ablations_and_not_failed_ones():
+    running = [_job("finetune-one", "pdssm", "seeds"), _job("finetune-one", "mamba2", "sweep"),
+               _job("ablate", "pdssm", "seeds")]
+    finished = [_job("finetune-one", "pdssm", "seeds", 0), _job("finetune-one", "mamba2", "seeds", 1),
+                _job("ablate", "mamba2", "seeds", 0)]
     # pdssm: one seed started but no sweep point (its seed 0); mamba2: swept, one seed failed, so both seeds still
     # owed; deltanet: nothing started, all three owed; plus 2 running runs
     assert box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) == 1 + 2 + 3 + 2
@@ -144,32 +143,24 @@ def test_sweep_points_are_dropped_only_when_the_owed_runs_would_pass_the_deadlin
     assert not box_scale.fits(owed=7, elapsed=200, runs_done=2, left=600)
 
 
-def test_a_kinds_first_sweep_point_is_never_dropped_its_later_ones_are(tmp_path):
+def test_a_kinds_first_sweep_point_is_never_dropped_its_later_ones_are():
     """Two runs side by side, the first has ended, the pace says the owed runs pass the deadline: the third kind's
     first point (its seed 0) still starts; another rate of a kind already swept does not."""
-    class Proc:
-        def __init__(self, rc):
-            self.returncode = rc
+    def point(kind, lr, rc=None):
+        return _job("finetune-one", kind, "sweep", rc, lr)
 
-    def job(kind, lr, rc=None):
-        j = box_scale.Job("finetune-one", kind, lr, 0, tmp_path, "sweep")
-        j.proc = Proc(rc)
-        return j
-
-    finished, running = [job("pdssm", 3e-4, 0)], [job("mamba2", 1e-3)]
+    finished, running = [point("pdssm", 3e-4, 0)], [point("mamba2", 1e-3)]
     owed = box_scale.owed_runs(["pdssm", "mamba2", "deltanet"], 3, running, finished) + 1
     assert owed == 2 + 2 + 3 + 1 + 1
     pace = dict(elapsed=216, left=689)  # 9 runs x 216 s > 689 s
-    assert not box_scale.drops(job("deltanet", 1e-3), owed, running, finished, **pace)
-    assert box_scale.drops(job("pdssm", 1e-3), owed, running, finished, **pace)
-    assert not box_scale.drops(job("pdssm", 1e-3), owed, running, finished, elapsed=216, left=9 * 216)
+    assert not box_scale.drops(point("deltanet", 1e-3), owed, running, finished, **pace)
+    assert box_scale.drops(point("pdssm", 1e-3), owed, running, finished, **pace)
+    assert not box_scale.drops(point("pdssm", 1e-3), owed, running, finished, elapsed=216, left=9 * 216)
 
 
-def test_a_run_starts_on_the_gpu_with_the_fewest_running(tmp_path):
+def test_a_run_starts_on_the_gpu_with_the_fewest_running():
     def on(gpu):
-        j = box_scale.Job("finetune-one", "pdssm", 3e-4, 0, tmp_path, "seeds")
-        j.gpu = gpu
-        return j
+        return _job("finetune-one", "pdssm", "seeds", gpu=gpu)
 
     assert box_scale.least_busy_gpu(0, [on(None)]) is None
     assert box_scale.least_busy_gpu(2, []) == 0

@@ -93,7 +93,7 @@ def unwrap_peft(model):
 def running_block(module) -> torch.nn.Module:
     """The inserted block that runs: under peft's `modules_to_save` (a wrapper holding the original and one trained
     copy per adapter) the active adapter's copy, or the original while adapters are off; else the block itself."""
-    copies = getattr(module, "modules_to_save", None)
+    copies = module._modules.get("modules_to_save")  # the child registry: no AttributeError raised per forward
     if not isinstance(copies, torch.nn.ModuleDict):
         return module
     active = [] if module.disable_adapters else module.active_adapters
