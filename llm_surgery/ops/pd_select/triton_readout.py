@@ -157,6 +157,11 @@ BLOCK_L = 64   # the forward kernels' tokens per block
 READOUT_BWD_CONFIG = {"block_l": 64, "repeat": 4, "num_warps": 2}
 INJECTION_BWD_CONFIG = {"block_l": 128, "repeat": 8, "num_warps": 4}
 LARGE_HEAD_BWD_CONFIG = {"block_l": 64, "repeat": 8, "num_warps": 4}
+# Float32 layers' exact ("ieee") products run on the CUDA cores, where a large head's 64-token tiles spill registers:
+# 16-token tiles took the backward kernels 16-22x faster at 70 heads of 64 x 64 (Nemotron-H 9B's layers), B=8,
+# L=2048 (one H200, 2026-11-29; docs/bench/layer.md, "Float32 layers").
+IEEE_LARGE_HEAD_BLOCK_L = 16
+IEEE_LARGE_HEAD_BWD_CONFIG = {"block_l": IEEE_LARGE_HEAD_BLOCK_L, "repeat": 8, "num_warps": 4}
 
 
 def _blocks(N, P):
@@ -164,11 +169,22 @@ def _blocks(N, P):
     return _tile(N), _tile(P)
 
 
-def _bwd_config(config, default, bn, bp):
-    """The given launch config, else `default` for heads of up to 32 x 32 and LARGE_HEAD_BWD_CONFIG beyond."""
+def _large_head(bn, bp):
+    return bn * bp > 32 * 32
+
+
+def _fwd_block_l(bn, bp, precision):
+    """Tokens per forward block: BLOCK_L, but IEEE_LARGE_HEAD_BLOCK_L for a large head's exact products."""
+    return IEEE_LARGE_HEAD_BLOCK_L if precision == "ieee" and _large_head(bn, bp) else BLOCK_L
+
+
+def _bwd_config(config, default, bn, bp, precision):
+    """The given launch config, else `default` for heads of up to 32 x 32 and a large-head config beyond."""
     if config is not None:
         return config
-    return default if bn * bp <= 32 * 32 else LARGE_HEAD_BWD_CONFIG
+    if not _large_head(bn, bp):
+        return default
+    return IEEE_LARGE_HEAD_BWD_CONFIG if precision == "ieee" else LARGE_HEAD_BWD_CONFIG
 
 
 def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
@@ -178,10 +194,11 @@ def readout_fwd(x_re, x_im, C, D_skip, u, y, precision: str):
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
+    block_l = _fwd_block_l(bn, bp, precision)
     if b * L:
-        _readout_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
+        _readout_fwd_kernel[(triton.cdiv(L, block_l), H, b)](
             x_re, x_im, C, D_skip, u, y, L, H, u.stride(0), u.stride(1), y.stride(0), y.stride(1), N=N, P=P,
-            BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
+            BLOCK_L=block_l, BLOCK_N=bn, BLOCK_P=bp, PRECISION=precision, num_warps=4)
 
 
 def injection_fwd(u, Bw, precision: str, dtype: torch.dtype = torch.float32):
@@ -192,9 +209,10 @@ def injection_fwd(u, Bw, precision: str, dtype: torch.dtype = torch.float32):
     bn, bp = _blocks(N, P)
     b_re = torch.empty(b, H, L, N, device=u.device, dtype=dtype)
     b_im = torch.empty_like(b_re)
+    block_l = _fwd_block_l(bn, bp, precision)
     if b * L:
-        _injection_fwd_kernel[(triton.cdiv(L, BLOCK_L), H, b)](
-            u, Bw, b_re, b_im, L, H, u.stride(0), u.stride(1), N=N, P=P, BLOCK_L=BLOCK_L, BLOCK_N=bn, BLOCK_P=bp,
+        _injection_fwd_kernel[(triton.cdiv(L, block_l), H, b)](
+            u, Bw, b_re, b_im, L, H, u.stride(0), u.stride(1), N=N, P=P, BLOCK_L=block_l, BLOCK_N=bn, BLOCK_P=bp,
             PRECISION=precision, num_warps=4)
     return b_re, b_im
 
@@ -205,7 +223,7 @@ def readout_bwd(g_y, x_re, x_im, C, u, gC, gskip, precision: str, config: dict |
     b, H, L, N = x_re.shape
     P = C.shape[1]
     bn, bp = _blocks(N, P)
-    cfg = _bwd_config(config, READOUT_BWD_CONFIG, bn, bp)
+    cfg = _bwd_config(config, READOUT_BWD_CONFIG, bn, bp, precision)
     g_re, g_im = torch.empty_like(x_re), torch.empty_like(x_im)
     if b * L:
         rep = min(cfg["repeat"], triton.cdiv(L, cfg["block_l"]))
@@ -223,7 +241,7 @@ def injection_bwd(gb_re, gb_im, g_y, u, D_skip, Bw, gBw, precision: str, config:
     b, L = u.shape[:2]
     H, N, P = Bw.shape[:3]
     bn, bp = _blocks(N, P)
-    cfg = _bwd_config(config, INJECTION_BWD_CONFIG, bn, bp)
+    cfg = _bwd_config(config, INJECTION_BWD_CONFIG, bn, bp, precision)
     g_u = torch.empty(b, L, H * P, device=u.device, dtype=u.dtype)
     has_b = gb_re is not None
     if b * L:
