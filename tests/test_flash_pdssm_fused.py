@@ -22,6 +22,7 @@ GATES = (None, "sigmoid", "hard", "decay", "off")
 # the layer's options against length drift, with the gates they interact with (decay: 1 - |D| under the snap)
 DRIFT = [(gate, {"unit_snap": 3e-3, "phase_levels": 12}) for gate in (None, "decay")]  # ~1/4 of |D| clamp
 ALL_CASES = [(g, {}) for g in GATES] + DRIFT   # (b_gate, drift options) of a comparison run
+LARGE = {"width": 128, "num_heads": 2, "state_size": 64}   # heads of 64 x 64: float32 products on 16-token tiles
 
 
 def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cases=None, **sizes):
@@ -61,8 +62,19 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cas
     return worst
 
 
+# With unit_snap a magnitude (1 + s) sigmoid(-a) within an ulp of 1 gets the clamp's gradient on one path and none
+# on the other (each rounds sigmoid its own way): at width 256 about one entry in 6,000 lies within 1e-6 of 1, and one
+# such entry moved decay_bias's gradient by 1e-4 to 2e-4 of its norm (H200 at L=700; the interpreter at L=160). The
+# gradients of what feeds a (decay_bias, x_proj) are held to SNAP_TOL in drift cases: a wrong snap gradient (a
+# missing factor 1 + s) would be off by 3e-3.
+SNAP_FED = ("decay_bias", "x_proj.weight")
+SNAP_TOL = 1e-3
+
+
 def _assert_close(worst, tol):
-    bad = {case: {name: err for name, err in rel.items() if not err < tol} for case, rel in worst.items()}
+    def bound(case, name):
+        return SNAP_TOL if "+drift" in case and name in SNAP_FED else tol
+    bad = {case: {name: err for name, err in rel.items() if not err < bound(case, name)} for case, rel in worst.items()}
     bad = {case: errs for case, errs in bad.items() if errs}
     assert not bad, f"fused path deviates from the torch path: {bad}"
 
@@ -86,6 +98,7 @@ def test_fused_path_matches_torch_path_cuda(one_kernel):
     _assert_close(_compare("cuda", torch.float32, width=256, L=700), 1e-5)
     _assert_close(_compare("cuda", torch.float32, cases=[(None, {}), ("decay", DRIFT[1][1])], num_heads=4,
                            state_size=20, dict_size=5), 1e-5)
+    _assert_close(_compare("cuda", torch.float32, cases=[(None, {})], L=300, **LARGE), 1e-5)
 
 
 @pytest.mark.cuda
@@ -176,7 +189,8 @@ def _per_core(one_kernel, cases):
 
 # Jobs (one kernel per (sequence, head) or the separate kernels, cases) and layer sizes. The quick suite (`-m "not
 # slow"`) runs one case of each form side by side (~15 s of interpreter a case); the full one the other b-gates and
-# drift options, and odd sizes (N = 20, K = 5: not powers of two).
+# drift options, odd sizes (N = 20, K = 5: not powers of two) and heads of 64 x 64 (the separate kernels' large-head
+# launches).
 QUICK = {True: [("decay", DRIFT[1][1])], False: [("sigmoid", {})]}
 ODD = {"num_heads": 4, "state_size": 20, "dict_size": 5}
 INTERPRETED = [
@@ -184,6 +198,7 @@ INTERPRETED = [
     *(pytest.param(_per_core(one, [c for c in ALL_CASES if c not in QUICK[one]]), {}, marks=pytest.mark.slow,
                    id=f"{name}-rest") for one, name in ((True, "one-kernel"), (False, "separate-kernels"))),
     pytest.param(_per_core(True, [(None, {}), ("decay", DRIFT[1][1])]), ODD, marks=pytest.mark.slow, id="odd-sizes"),
+    pytest.param([(False, [(None, {})])], LARGE, marks=pytest.mark.slow, id="large-heads"),
 ]
 
 

@@ -153,13 +153,13 @@ BLOCK_L = 64   # the forward kernels' tokens per block
 # bench/ste_kernels.py --readout-only` (`git show 8438c3e:bench/ste_kernels.py`) and an A/B in the layer (H100,
 # width 1024, B=32): 0.9% off forward + backward at L=8192 against LARGE_HEAD_BWD_CONFIG for both, within noise at
 # 2048-4096 (BENCHMARKS.md). Larger heads, whose
-# weight tiles these sizes were not measured with, keep LARGE_HEAD_BWD_CONFIG.
+# weight tiles these sizes were not measured with, keep LARGE_HEAD_BWD_CONFIG (TF32) or the float32 one below.
 READOUT_BWD_CONFIG = {"block_l": 64, "repeat": 4, "num_warps": 2}
 INJECTION_BWD_CONFIG = {"block_l": 128, "repeat": 8, "num_warps": 4}
 LARGE_HEAD_BWD_CONFIG = {"block_l": 64, "repeat": 8, "num_warps": 4}
-# Float32 layers' exact ("ieee") products run on the CUDA cores, where a large head's 64-token tiles spill registers:
-# 16-token tiles took the backward kernels 16-22x faster at 70 heads of 64 x 64 (Nemotron-H 9B's layers), B=8,
-# L=2048 (one H200, 2026-11-29; docs/bench/layer.md, "Float32 layers").
+# Float32 layers' exact ("ieee") products run on the CUDA cores, where a large head's 64-token tiles outgrow the
+# registers: 16-token tiles took the backward kernels 16-22x faster at 70 heads of 64 x 64 (Nemotron-H 9B's
+# layers), B=8, L=2048 (one H200, 2026-11-29; docs/bench/layer.md, "Float32 layers").
 IEEE_LARGE_HEAD_BLOCK_L = 16
 IEEE_LARGE_HEAD_BWD_CONFIG = {"block_l": IEEE_LARGE_HEAD_BLOCK_L, "repeat": 8, "num_warps": 4}
 
