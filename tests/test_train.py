@@ -1009,6 +1009,25 @@ def test_messages_are_log_records_that_the_command_line_shows_on_stdout(monkeypa
     assert logger.handlers == []
 
 
+def test_a_message_during_the_progress_bar_gets_its_own_line():
+    """stdout and stderr on one pipe (a terminal; `bench/startup.py`): a message logged while the training bar (stderr,
+    no line end) is up starts its own line instead of being glued to the bar's."""
+    script = (
+        "from tqdm.auto import tqdm\n"
+        "from llm_surgery.train.messages import logger, show_messages\n"
+        "show_messages()\n"
+        "bar = tqdm(total=3, desc='train pdssm')\n"
+        "bar.update(1)\n"
+        "logger.info('CUDA graphs: 2 of 2 batch shapes captured in 1.0 s')\n"
+        "bar.update(2)\n"
+        "bar.close()\n")
+    out = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), check=True).stdout
+    lines = [line.strip() for line in re.split(r"[\r\n]", out)]
+    assert "CUDA graphs: 2 of 2 batch shapes captured in 1.0 s" in lines, out
+    assert any(line.startswith("train pdssm: 100%") for line in lines), out  # the bar came back after the message
+
+
 def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
     from llm_surgery.train import main
 

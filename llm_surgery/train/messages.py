@@ -10,16 +10,19 @@ import sys
 logger = logging.getLogger("llm_surgery.train")
 
 
-class _Stdout(logging.StreamHandler):
-    """Writes to `sys.stdout` as it is at each message, as print does (a replaced stdout is followed)."""
+class _Stdout(logging.Handler):
+    """Writes each message on its own line of `sys.stdout` as it is at that moment, as print does (a replaced stdout
+    is followed), through `tqdm.write`: it lifts the training progress bar (on stderr) off the line first, where a
+    plain write would glue the message to the bar's unfinished line."""
 
-    @property
-    def stream(self):
-        return sys.stdout
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm  # the class of the trainer's bar (write clears only its own class's bars)
 
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging's contract: report, never raise
+            self.handleError(record)
 
 
 def show_messages() -> None:
