@@ -170,6 +170,7 @@ def _blocks(N, P):
 
 
 def _large_head(bn, bp):
+    """Heads past 32 x 32 tiles (the registry's default sizes), whose launches were measured apart."""
     return bn * bp > 32 * 32
 
 
