@@ -64,16 +64,16 @@ def _compare(device: str, dtype=torch.float32, width: int = 64, L: int = 23, cas
 
 # With unit_snap a magnitude (1 + s) sigmoid(-a) within an ulp of 1 gets the clamp's gradient on one path and none
 # on the other (each rounds sigmoid its own way): at width 256 about one entry in 6,000 lies within 1e-6 of 1, and one
-# such entry moved decay_bias's gradient by 1e-4 to 2e-4 of its norm (H200 at L=700; the interpreter at L=160). The
-# gradients of what feeds a (decay_bias, x_proj) are held to SNAP_TOL in drift cases: a wrong snap gradient (a
-# missing factor 1 + s) would be off by 3e-3.
-SNAP_FED = ("decay_bias", "x_proj.weight")
-SNAP_TOL = 1e-3
+# such entry moved decay_bias's gradient by 1.1e-4 of its norm (H200, L=700) and 2.3e-4 (the interpreter, L=160),
+# x_proj's by up to 1.9e-5. In drift cases the gradients of what feeds a are held to SNAP_TOL (or the call's own
+# bound where looser: bf16): a snap gradient missing its factor 1 + s moves them by 3.0e-3 and 1.7e-4 (the torch
+# path, the interpreter's case).
+SNAP_TOL = {"decay_bias": 1e-3, "x_proj.weight": 1e-4}
 
 
 def _assert_close(worst, tol):
     def bound(case, name):
-        return SNAP_TOL if "+drift" in case and name in SNAP_FED else tol
+        return max(tol, SNAP_TOL.get(name, tol)) if "+drift" in case else tol
     bad = {case: {name: err for name, err in rel.items() if not err < bound(case, name)} for case, rel in worst.items()}
     bad = {case: errs for case, errs in bad.items() if errs}
     assert not bad, f"fused path deviates from the torch path: {bad}"
